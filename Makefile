@@ -1,0 +1,50 @@
+# kimilab — the two commands a newcomer needs are `make book` and `make test`.
+# Both create .venv on first use and reinstall only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-dev
+PARITY := $(VENV)/.installed-parity
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: setup book test lab sync bench parity clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "kimilab needs Python >= 3.10"'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+# Execute every chapter in order, store outputs, save figures/, render _build/html/.
+book: $(STAMP)
+	$(BIN)/python -m kimilab.book
+
+# Unit + property tests, then strict nbval over every executed chapter.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests chapters/*.ipynb $(NBVAL)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab chapters/
+
+# Pair every chapters/NN_slug.py with its .ipynb (the .py is the reviewed source).
+sync: $(STAMP)
+	$(BIN)/jupytext --sync chapters/[0-9][0-9]_*.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+# KDA parity with the flash-linear-attention reference (CPU torch from the local wheel).
+$(PARITY): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[dev,parity]'
+	@touch $@
+
+parity: $(PARITY)
+	$(BIN)/python -m pytest -q -m parity tests
+
+clean:
+	rm -rf _build figures .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

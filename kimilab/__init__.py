@@ -1,0 +1,1 @@
+"""kimilab: serving a hybrid linear-attention model, built up chapter by chapter."""

@@ -1,0 +1,228 @@
+"""Model configurations: the shapes every other module reads.
+
+A config is plain data. It says which layers are KDA ("K") and which keep
+global attention ("A"), and the sizes of every cache a request will hold.
+Real-model presets (``kimi_linear_48b`` and its baselines) are *shapes only*:
+they feed the analytic memory model, never a weight matrix. ``tiny`` is the
+reduced model the book actually runs on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
+
+_ATTN_KINDS = ("mha", "gqa", "mla")
+_GATES = ("softplus", "lowerbound")
+_DTYPES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a hybrid model. ``layer_pattern`` has one letter per layer.
+
+    ``K`` = Kimi Delta Attention layer (fixed-size recurrent state + conv state),
+    ``A`` = global softmax attention layer (KV cache that grows with the context).
+    Byte widths (``kv_bytes``, ``state_bytes``, ``conv_bytes``) are what a
+    serving engine stores; for the runnable ``tiny`` model they equal the
+    compute dtype's width so measured and analytic bytes agree.
+    """
+
+    name: str
+    layer_pattern: str
+    d_model: int
+    n_heads: int  # KDA heads
+    head_dim: int  # KDA key dim K = value dim V
+    vocab_size: int
+    mlp_hidden: int
+    attn_kind: str = "mha"  # global layers: "mha", "gqa" or "mla"
+    attn_heads: int = 0  # query heads of a global layer (0 -> n_heads)
+    attn_kv_heads: int = 0  # KV heads of a global layer (0 -> attn_heads)
+    attn_head_dim: int = 0  # head dim of a global layer (0 -> head_dim)
+    kv_lora_rank: int = 0  # MLA latent width (attn_kind == "mla")
+    qk_rope_head_dim: int = 0  # MLA decoupled rope key width, cached beside the latent
+    conv_kernel: int = 4
+    gate: str = "softplus"  # KDA forget gate: "softplus" or "lowerbound"
+    gate_lower_bound: float = -5.0  # used when gate == "lowerbound"; in [-5, 0)
+    chunk_size: int = 64  # chunked-KDA chunk length for prefill
+    dtype: str = "float64"  # compute dtype of the runnable model
+    kv_bytes: int = 8  # bytes per stored KV element
+    state_bytes: int = 8  # bytes per stored KDA state element
+    conv_bytes: int = 8  # bytes per stored conv-state element
+    shapes_only: bool = False  # True for real-model presets (no weights can be built)
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        def bad(fieldname: str, expected: str) -> None:
+            raise ValueError(
+                f"ModelConfig.{fieldname}={getattr(self, fieldname)!r}: expected {expected}"
+            )
+
+        if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
+            bad("layer_pattern", "a non-empty string of 'K' (KDA) and 'A' (global attention)")
+        for name in ("d_model", "n_heads", "head_dim", "vocab_size", "mlp_hidden", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                bad(name, "a positive int")
+        for name in ("attn_heads", "attn_kv_heads", "attn_head_dim", "kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                bad(name, "a non-negative int (0 means 'same as the KDA value')")
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 1:
+            bad("conv_kernel", "an int >= 1")
+        if self.attn_kind not in _ATTN_KINDS:
+            bad("attn_kind", f"one of {_ATTN_KINDS}")
+        if self.gate not in _GATES:
+            bad("gate", f"one of {_GATES}")
+        if not -5.0 <= self.gate_lower_bound < 0.0:
+            bad("gate_lower_bound", "a float in [-5, 0)")
+        if self.dtype not in ("float64", "float32"):
+            bad("dtype", "'float64' or 'float32'")
+        for name in ("kv_bytes", "state_bytes", "conv_bytes"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                bad(name, "1, 2, 4 or 8 bytes per element")
+        if self.attn_kind == "mla" and self.kv_lora_rank <= 0:
+            bad("kv_lora_rank", "a positive latent width when attn_kind == 'mla'")
+        if self.attn_kind != "mla" and self.attn_heads_eff % self.attn_kv_heads_eff:
+            bad("attn_kv_heads", f"a divisor of attn_heads ({self.attn_heads_eff})")
+        if self.attn_kind == "mha" and self.attn_kv_heads_eff != self.attn_heads_eff:
+            bad("attn_kv_heads", "equal to attn_heads for 'mha' (use attn_kind='gqa')")
+
+    # ----- derived shapes -------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        """0-based indices of the KDA layers."""
+        return tuple(i for i, c in enumerate(self.layer_pattern) if c == "K")
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        """0-based indices of the global-attention layers."""
+        return tuple(i for i, c in enumerate(self.layer_pattern) if c == "A")
+
+    @property
+    def attn_heads_eff(self) -> int:
+        return self.attn_heads or self.n_heads
+
+    @property
+    def attn_kv_heads_eff(self) -> int:
+        return self.attn_kv_heads or self.attn_heads_eff
+
+    @property
+    def attn_head_dim_eff(self) -> int:
+        return self.attn_head_dim or self.head_dim
+
+    @property
+    def kv_elems_per_token_layer(self) -> int:
+        """Elements one global layer stores per token (K and V, or MLA latent + rope key)."""
+        if self.attn_kind == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.attn_kv_heads_eff * self.attn_head_dim_eff
+
+    @property
+    def kda_state_elems_layer(self) -> int:
+        """Elements of one KDA layer's recurrent state: H x K x V."""
+        return self.n_heads * self.head_dim * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of a KDA layer's short convolution (q, k and v, each H*K wide)."""
+        return 3 * self.n_heads * self.head_dim
+
+    @property
+    def conv_state_elems_layer(self) -> int:
+        """Elements of one KDA layer's conv state: the last (kernel - 1) inputs."""
+        return (self.conv_kernel - 1) * self.conv_channels
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype]
+
+    def with_(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def _pattern_from_attn_layers(n_layers: int, attn_1based: tuple[int, ...]) -> str:
+    return "".join("A" if (i + 1) in attn_1based else "K" for i in range(n_layers))
+
+
+# The reduced model the book runs: 8 layers, 3 KDA : 1 global, float64.
+tiny = ModelConfig(
+    name="tiny",
+    layer_pattern="KKKA" * 2,
+    d_model=128,
+    n_heads=4,
+    head_dim=32,
+    vocab_size=260,
+    mlp_hidden=256,
+    attn_kind="mha",
+    attn_heads=4,
+    attn_kv_heads=4,
+    attn_head_dim=32,
+    notes="runnable reduced model: seeded random weights, untrained",
+)
+
+# Kimi-Linear-48B-A3B shapes (tech report / public config): MLA at 1-based layers
+# 4, 8, 12, 16, 20, 24, 27 (20 KDA : 7 MLA); bf16 KV, fp32 KDA state.
+kimi_linear_48b = ModelConfig(
+    name="kimi_linear_48b",
+    layer_pattern=_pattern_from_attn_layers(27, (4, 8, 12, 16, 20, 24, 27)),
+    d_model=2304,
+    n_heads=32,
+    head_dim=128,
+    vocab_size=163840,
+    mlp_hidden=1024,
+    attn_kind="mla",
+    attn_heads=32,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    dtype="float32",
+    kv_bytes=2,
+    state_bytes=4,
+    conv_bytes=2,
+    shapes_only=True,
+    notes="shapes only; MoE MLP not modelled",
+)
+
+# The same 27 layers, all MLA: the full-attention baseline of the tech report.
+all_mla_27 = kimi_linear_48b.with_(
+    name="all_mla_27", layer_pattern="A" * 27, notes="shapes only; all-MLA baseline"
+)
+
+# A GQA model for contrast (Llama-3-8B-like shapes: 32 layers, 8 KV heads of 128, bf16).
+gqa_8b = ModelConfig(
+    name="gqa_8b",
+    layer_pattern="A" * 32,
+    d_model=4096,
+    n_heads=32,
+    head_dim=128,
+    vocab_size=128256,
+    mlp_hidden=14336,
+    attn_kind="gqa",
+    attn_heads=32,
+    attn_kv_heads=8,
+    attn_head_dim=128,
+    dtype="float32",
+    kv_bytes=2,
+    state_bytes=4,
+    conv_bytes=2,
+    shapes_only=True,
+    notes="shapes only; GQA contrast",
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c for c in (tiny, kimi_linear_48b, all_mla_27, gqa_8b)
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """Look a preset up by name; the error lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset name={name!r}: expected one of {sorted(PRESETS)}") from None

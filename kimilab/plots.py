@@ -1,0 +1,139 @@
+"""The book's house plot style: one colour and one name per method, everywhere.
+
+Chapters call :func:`use_style` once, take colours and labels from
+:func:`color` / :func:`label` (so "dual" is the same green in chapter 6 and
+chapter 12), and save every figure with :func:`save`, which writes
+``figures/chNN-<name>.png`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+__all__ = ["METHODS", "use_style", "color", "label", "save", "figures_dir", "style_of"]
+
+# key -> (label shown in legends, colour). Keys are lower-case, hyphenated.
+# Colours come from a colour-blind-safe palette (Okabe-Ito + Tableau).
+METHODS: dict[str, tuple[str, str]] = {
+    # chapter 1-3: caches and models
+    "no-cache": ("recompute (no cache)", "#999999"),
+    "kv-cache": ("KV cache", "#0072B2"),
+    "kda-state": ("KDA state", "#D55E00"),
+    "conv-state": ("conv state", "#CC79A7"),
+    "linear-attention": ("linear attention", "#56B4E9"),
+    "delta-rule": ("delta rule", "#E69F00"),
+    "gated-delta": ("gated delta rule", "#F0E442"),
+    "recurrent": ("recurrent KDA", "#E69F00"),
+    "chunked": ("chunked KDA", "#009E73"),
+    "hybrid": ("hybrid 3 KDA : 1 MLA", "#009E73"),
+    "all-mla": ("all-MLA baseline", "#0072B2"),
+    "gqa": ("GQA (8B-class)", "#CC79A7"),
+    "weights": ("model weights", "#555555"),
+    "measured": ("measured", "#000000"),
+    "analytic": ("analytic", "#999999"),
+    # chapter 4: pools and the kinds of pages they hold
+    "unified": ("unified pool", "#009E73"),
+    "split": ("split pools", "#E69F00"),
+    "vllm-padded": ("vLLM-style padded", "#0072B2"),
+    "jenga": ("Jenga-style LCM", "#CC79A7"),
+    "kv": ("KV pages", "#0072B2"),
+    "kda_state": ("KDA state", "#D55E00"),
+    "conv_state": ("conv state", "#CC79A7"),
+    "checkpoint": ("state checkpoint", "#E69F00"),
+    "scratch": ("scratch", "#F0E442"),
+    "free": ("free", "#EEEEEE"),
+    # chapters 5-6: workloads and prefix-cache policies
+    "chat": ("multi-turn chat", "#0072B2"),
+    "agent": ("agent / tool loop", "#D55E00"),
+    "document": ("shared-document Q&A", "#009E73"),
+    "conversation": ("Mooncake-like conversation", "#CC79A7"),
+    "kv-only": ("kv-only (attention bound)", "#999999"),
+    "every-block": ("every-block (vLLM all)", "#0072B2"),
+    "align": ("align (vLLM align)", "#E69F00"),
+    "dual": ("dual (branch points + ends)", "#009E73"),
+    "lru": ("LRU", "#56B4E9"),
+}
+
+_FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]
+
+
+def use_style() -> None:
+    """Apply the house rcParams (sizes, grid, no top/right spines, fixed DPI)."""
+    plt.rcParams.update(
+        {
+            "figure.figsize": (7.0, 4.2),
+            "figure.dpi": 100,
+            "savefig.dpi": 120,
+            "savefig.bbox": "tight",
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "axes.labelsize": 10,
+            "legend.fontsize": 9,
+            "legend.frameon": False,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "lines.linewidth": 2.0,
+            "lines.markersize": 5,
+            "svg.hashsalt": "kimilab",
+        }
+    )
+
+
+def _lookup(key: str) -> tuple[str, str]:
+    try:
+        return METHODS[key]
+    except KeyError:
+        raise ValueError(
+            f"method key={key!r}: not in kimilab.plots.METHODS; known keys: {sorted(METHODS)}"
+        ) from None
+
+
+def color(key: str) -> str:
+    """The fixed colour of a method or cache kind."""
+    return _lookup(key)[1]
+
+
+def label(key: str) -> str:
+    """The fixed legend name of a method or cache kind."""
+    return _lookup(key)[0]
+
+
+def style_of(key: str) -> dict:
+    """Keyword arguments for ``ax.plot``: ``ax.plot(x, y, **style_of("dual"))``."""
+    name, colour = _lookup(key)
+    return {"label": name, "color": colour}
+
+
+def figures_dir() -> Path:
+    """``$KIMILAB_FIGURES`` if set, else ``figures/`` beside the repository's chapters/."""
+    env = os.environ.get("KIMILAB_FIGURES")
+    if env:
+        return Path(env)
+    here = Path.cwd().resolve()
+    for candidate in (here, *here.parents):
+        if (candidate / "chapters").is_dir() and (candidate / "kimilab").is_dir():
+            return candidate / "figures"
+    return here / "figures"
+
+
+_NAME = re.compile(r"^ch\d\d-[a-z0-9][a-z0-9-]*$")
+
+
+def save(fig, name: str) -> Path:
+    """Save ``fig`` as ``figures/<name>.png``; ``name`` must look like ``ch05-hit-rate``.
+
+    PNG metadata is stripped so the bytes do not depend on the matplotlib version.
+    """
+    if not _NAME.match(name):
+        raise ValueError(f"figure name={name!r}: expected 'chNN-<lowercase-words>', e.g. 'ch05-hit-rate'")
+    out = figures_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.savefig(path, metadata={"Software": None})
+    return path

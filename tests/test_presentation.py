@@ -1,0 +1,61 @@
+"""The book's presentation helpers: exercise checks, house plot style, source display."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kimilab import checks, plots
+from kimilab.notebook import show_source, source_of
+
+
+def test_check_not_answered_gives_hint(capsys):
+    result = checks.check(None, 42, name="ex1", hint="multiply 6 by 7")
+    assert not result.ok
+    out = capsys.readouterr().out
+    assert "not answered yet" in out and "multiply 6 by 7" in out and "42" not in out
+
+
+def test_check_wrong_and_right(capsys):
+    assert not checks.check(41.0, 42, name="ex", hint="off by one?")
+    assert "not quite" in capsys.readouterr().out
+    assert checks.check(42.0 * (1 + 1e-9), 42, name="ex")
+    assert checks.check(np.array([1.0, 2.0]), [1.0, 2.0], name="vec")
+    assert not checks.check(np.array([1.0, 2.0, 3.0]), [1.0, 2.0], name="vec", verbose=False)
+    assert checks.check("align", "align", name="s", verbose=False)
+    assert not checks.check("kv-only", "align", name="s", verbose=False)
+
+
+def test_plots_keys_are_fixed():
+    assert plots.color("dual") == plots.METHODS["dual"][1]
+    assert plots.style_of("kv-only") == {"label": plots.label("kv-only"), "color": plots.color("kv-only")}
+    with pytest.raises(ValueError, match="method key='nope'"):
+        plots.color("nope")
+
+
+def test_save_names_and_writes(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setenv("KIMILAB_FIGURES", str(tmp_path))
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    with pytest.raises(ValueError, match="figure name"):
+        plots.save(fig, "Bad Name")
+    path = plots.save(fig, "ch00-test")
+    plt.close(fig)
+    assert path == tmp_path / "ch00-test.png" and path.stat().st_size > 0
+
+
+def test_show_source_is_the_package_code():
+    code = show_source(checks.check)
+    assert code.data == source_of(checks.check)
+    assert "def check(" in code.data
+    part = show_source(checks.check, lines=(1, 2))
+    assert part.data.count("\n") == 2
+    with pytest.raises(ValueError, match="lines="):
+        show_source(checks.check, lines=(3, 1))
+    with pytest.raises(ValueError, match="obj="):
+        source_of(42)
