@@ -67,6 +67,9 @@ def execute_chapter(src: Path, *, timeout: int = 600) -> tuple[Path, float]:
     nb = jupytext.read(src)
     os.environ["KIMILAB_FIGURES"] = str(FIGURES)
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # Small matrices + a shared 2-core machine: one BLAS thread is faster and steadier.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     client = NotebookClient(
         nb,
         timeout=timeout,
