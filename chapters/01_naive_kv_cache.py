@@ -1,0 +1,431 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. The naive KV cache
+#
+# **What you'll build.** Full causal softmax attention in numpy, a contiguous
+# append-only *KV cache*, and a two-layer toy decoder that generates one token at a
+# time with the cache and without it.
+#
+# **What you'll learn.**
+# - Why decoding with a cache gives *exactly* the same outputs as recomputing the
+#   whole prefix, and how much work it saves (counted, then timed).
+# - How many bytes a KV cache costs per token for real model shapes: Kimi-Linear-48B's
+#   seven MLA layers, an all-MLA 27-layer baseline, and a GQA 8B-class model.
+# - Why, at long context, the cache and not the weights decides how many requests a
+#   GPU can serve, and how fast.
+#
+# **What you'll need.** numpy and the idea of softmax attention. Everything runs on a
+# CPU in a few seconds. The small model here is random and untrained: the mechanisms
+# are exact, the numbers it produces mean nothing as language.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import kimilab.memory as memory
+from kimilab import plots
+from kimilab.attention import KVCache, causal_attention, decode_flops, decode_step, reference_causal_attention
+from kimilab.checks import check
+from kimilab.config import all_mla_27, gqa_8b, kimi_linear_48b, tiny
+from kimilab.notebook import show_source
+
+plots.use_style()
+rng = np.random.default_rng(0)
+
+# %% [markdown]
+# ## Attention, the last T of L positions
+#
+# One attention head turns each query vector into a weighted average of value vectors.
+# The weights are a softmax over the query's dot products with the keys. *Causal*
+# means position t only sees keys 0..t.
+#
+# `causal_attention(q, k, v)` takes queries `q [T, H, D]`, keys `k [L, Hkv, D]` and
+# values `v [L, Hkv, Dv]`. The T queries are the **last** T of the L positions. Two
+# cases matter for serving:
+#
+# - *prefill*: `T == L`, every position of the prompt at once;
+# - *decode*: `T == 1`, one new token looking back at everything before it.
+#
+# Grouped-query attention (GQA) lets `H` query heads share `Hkv < H` key/value heads
+# (each KV head serves `H // Hkv` consecutive query heads), which shrinks what must be
+# stored. The softmax subtracts each row's maximum before `exp`, so large scores cannot
+# overflow.
+
+# %%
+show_source(causal_attention)
+
+# %% [markdown]
+# The vectorised version must agree with its slow, obvious twin, which loops over
+# queries and heads one at a time. We check a GQA shape (6 query heads sharing 2 KV
+# heads), for prefill, for a block of late queries and for one decode query.
+
+# %%
+L, H, Hkv, D = 40, 6, 2, 8
+q = rng.standard_normal((L, H, D))
+k = rng.standard_normal((L, Hkv, D))
+v = rng.standard_normal((L, Hkv, D))
+for T in (L, 7, 1):
+    fast = causal_attention(q[L - T:], k, v, query_block=16)
+    slow = reference_causal_attention(q[L - T:], k, v)
+    print(f"T={T:2d} of L={L}: output {fast.shape}, max |fast - slow| < 1e-10: {np.abs(fast - slow).max() < 1e-10}")
+
+# %% [markdown]
+# ## Decoding without a cache, and with one
+#
+# A decoder generates token t+1 from the hidden states of tokens 0..t. Without a
+# cache, every step runs the whole prefix through every layer again, because layer 2's
+# keys at position 3 depend on layer 1's output at position 3, and so on up the stack.
+#
+# A **KV cache** keeps each layer's keys and values from earlier steps. A decode step
+# then projects only the new token, appends its key and value, and attends its one
+# query over the cache. Nothing already stored ever changes, so the cache is
+# *append-only*: this is what lets serving engines page, share and truncate it freely
+# (chapters 4 and 5). Here is the append and the decode step:
+
+# %%
+show_source(KVCache.append)
+
+# %%
+show_source(decode_step)
+
+# %% [markdown]
+# A toy decoder makes the comparison concrete: two attention layers with residual
+# connections (no MLP, no norms, random weights), model width 64, 4 query heads
+# sharing 2 KV heads of dimension 16. `forward_no_cache` recomputes every position;
+# `decode_with_cache` feeds one token through, layer by layer, with one `KVCache` per
+# layer.
+
+# %%
+D_MODEL, N_HEADS, N_KV_HEADS, HEAD_DIM, N_LAYERS = 64, 4, 2, 16, 2
+layers = [
+    {
+        "wq": rng.standard_normal((D_MODEL, N_HEADS * HEAD_DIM)) / np.sqrt(D_MODEL),
+        "wk": rng.standard_normal((D_MODEL, N_KV_HEADS * HEAD_DIM)) / np.sqrt(D_MODEL),
+        "wv": rng.standard_normal((D_MODEL, N_KV_HEADS * HEAD_DIM)) / np.sqrt(D_MODEL),
+        "wo": rng.standard_normal((N_HEADS * HEAD_DIM, D_MODEL)) / np.sqrt(N_HEADS * HEAD_DIM),
+    }
+    for _ in range(N_LAYERS)
+]
+
+
+def project(w, h):
+    """Queries, keys and values of hidden states h [T, D_MODEL]."""
+    T = h.shape[0]
+    return ((h @ w["wq"]).reshape(T, N_HEADS, HEAD_DIM),
+            (h @ w["wk"]).reshape(T, N_KV_HEADS, HEAD_DIM),
+            (h @ w["wv"]).reshape(T, N_KV_HEADS, HEAD_DIM))
+
+
+def forward_no_cache(x):
+    """Every layer over every position: x [T, D_MODEL] -> hidden states [T, D_MODEL]."""
+    h = x
+    for w in layers:
+        q, k, v = project(w, h)
+        h = h + causal_attention(q, k, v).reshape(len(h), -1) @ w["wo"]
+    return h
+
+
+def decode_with_cache(x_new, caches):
+    """One new token x_new [1, D_MODEL] through every layer, using and extending the caches."""
+    h = x_new
+    for w, cache in zip(layers, caches):
+        q, k, v = project(w, h)
+        h = h + decode_step(q, k, v, cache).reshape(1, -1) @ w["wo"]
+    return h
+
+
+def new_caches():
+    return [KVCache(N_KV_HEADS, HEAD_DIM) for _ in range(N_LAYERS)]
+
+
+# %% [markdown]
+# **Exactness.** For each length N we decode N tokens with the cache and, at every
+# step, also recompute the whole prefix from scratch; the two last-position outputs
+# must agree to float64 rounding (we require at most 1e-10).
+
+# %%
+for N in (1, 8, 64, 128):
+    x = rng.standard_normal((N, D_MODEL))
+    caches = new_caches()
+    worst = 0.0
+    for t in range(N):
+        with_cache = decode_with_cache(x[t:t + 1], caches)[0]
+        recomputed = forward_no_cache(x[: t + 1])[-1]
+        worst = max(worst, float(np.abs(with_cache - recomputed).max()))
+    print(f"N={N:3d} steps: cache holds {caches[0].length:3d} tokens per layer, "
+          f"max |cached - recomputed| < 1e-10: {worst < 1e-10}")
+
+# %% [markdown]
+# ## What the cache saves: counted work
+#
+# `decode_flops` counts the multiply-adds (2 FLOPs each) of producing the token at
+# position L in our toy, with and without the cache: the q/k/v/output projections and
+# the attention scores and mixing over the causal (query, key) pairs. Counts are exact
+# integers, the same on every machine.
+#
+# - With the cache: project 1 token, attend 1 query over L keys. Grows like L.
+# - Without: project L tokens, attend all L queries causally (L(L+1)/2 pairs). Grows
+#   like L².
+
+# %%
+show_source(decode_flops)
+
+# %%
+toy = dict(n_heads=N_HEADS, head_dim=HEAD_DIM, n_kv_heads=N_KV_HEADS, d_model=D_MODEL, n_layers=N_LAYERS)
+contexts = 2 ** np.arange(4, 21)  # 16 ... 1M tokens
+flops_cached = np.array([decode_flops(int(n), cached=True, **toy) for n in contexts], dtype=float)
+flops_nocache = np.array([decode_flops(int(n), cached=False, **toy) for n in contexts], dtype=float)
+print(f"{'context':>9} {'with cache':>12} {'no cache':>12} {'saving':>10}")
+for n, c, u in zip(contexts, flops_cached, flops_nocache):
+    if n in (16, 1024, 65536, 1048576):
+        print(f"{n:9d} {c:12.3e} {u:12.3e} {u / c:9.1f}x")
+
+# %%
+fig, ax = plt.subplots()
+ax.loglog(contexts, flops_nocache, marker="o", **plots.style_of("no-cache"))
+ax.loglog(contexts, flops_cached, marker="o", **plots.style_of("kv-cache"))
+ax.set_xlabel("context length L (tokens)")
+ax.set_ylabel("FLOPs to decode one token (counted)")
+ax.set_title("Toy 2-layer decoder: work per decoded token")
+ax.legend()
+plots.save(fig, "ch01-decode-flops")
+plt.show()
+
+# %% [markdown]
+# *Takeaway:* without a cache the work per token grows like L² (slope 2 on log axes),
+# with one like L (slope 1); at 1M tokens the cache saves about five orders of magnitude.
+#
+# **Measured time.** The same comparison timed on this CPU (wall-clock numbers, so the
+# cell's output is not checked and will differ on your machine). For each context L we
+# first fill the caches with L − 1 tokens in one prefill call, then time single decode
+# steps (best of 5); the no-cache path times one full forward over L tokens (best of 3).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def best_seconds(fn, repeats):
+    """Fastest of a few runs (like timeit): the least disturbed by other processes."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+timed_contexts = [32, 64, 128, 256, 512]
+t_cached, t_nocache = [], []
+for n in timed_contexts:
+    x = rng.standard_normal((n + 8, D_MODEL))
+    caches = new_caches()
+    h = x[: n - 1]
+    for w, cache in zip(layers, caches):  # prefill n - 1 tokens into each layer's cache
+        q, k, v = project(w, h)
+        h = h + decode_step(q, k, v, cache).reshape(len(h), -1) @ w["wo"]
+    step = iter(range(n - 1, n + 8))
+    t_cached.append(best_seconds(lambda: decode_with_cache(x[next(step)][None], caches), 5))
+    t_nocache.append(best_seconds(lambda: forward_no_cache(x[:n]), 3))
+for n, c, u in zip(timed_contexts, t_cached, t_nocache):
+    print(f"L={n:5d}: with cache {c * 1e3:7.3f} ms, without {u * 1e3:8.3f} ms ({u / c:6.1f}x)")
+
+fig, ax = plt.subplots()
+ax.loglog(timed_contexts, np.array(t_nocache) * 1e3, marker="o", **plots.style_of("no-cache"))
+ax.loglog(timed_contexts, np.array(t_cached) * 1e3, marker="o", **plots.style_of("kv-cache"))
+ax.set_xlabel("context length L (tokens)")
+ax.set_xscale("log", base=2)
+ax.set_xticks(timed_contexts, [str(n) for n in timed_contexts])
+ax.minorticks_off()
+ax.set_ylabel("time per decoded token (ms, this CPU)")
+ax.set_title("Toy 2-layer decoder: measured time per decoded token")
+ax.legend()
+plots.save(fig, "ch01-decode-time")
+plt.show()
+
+# %% [markdown]
+# *Takeaway:* measured times follow the counted FLOPs only loosely: the cached step is
+# dominated by fixed Python and numpy call overhead (flat), the recomputed one grows
+# quickly with L. On a busy machine, multithreaded BLAS can add sudden jumps to the
+# no-cache line; the counted FLOPs above are the stable comparison.
+
+# %% [markdown]
+# ## What the cache costs: bytes
+#
+# The work saved is paid for in memory. A layer caches, for every token, a key and a
+# value per KV head: `2 × Hkv × D` numbers. The analytic model in `kimilab.memory`
+# counts these bytes for any `ModelConfig` without building an array. First we check it
+# against real arrays: the book's runnable `tiny` config has 2 global layers of 4 KV
+# heads × 32 dims, stored in float64.
+
+# %%
+show_source(memory.kv_bytes_per_token)
+
+# %%
+tiny_caches = [KVCache(tiny.attn_kv_heads_eff, tiny.attn_head_dim_eff, dtype=tiny.dtype) for _ in tiny.attn_layers]
+filled = 0
+for n_tokens in (1, 100, 1000):
+    for cache in tiny_caches:
+        extra = n_tokens - cache.length
+        cache.append(rng.standard_normal((extra, cache.n_kv_heads, cache.head_dim)),
+                     rng.standard_normal((extra, cache.n_kv_heads, cache.value_dim)))
+    measured = sum(cache.nbytes for cache in tiny_caches)
+    analytic = memory.request_bytes(tiny, n_tokens)["kv"]
+    print(f"tiny, {n_tokens:4d} tokens: measured {measured:8d} B, analytic {analytic:8d} B, equal: {measured == analytic}")
+
+# %% [markdown]
+# Now real shapes (shapes only: no weights are built). Their caches are stored in
+# bf16, 2 bytes per number.
+#
+# - **Kimi-Linear-48B-A3B** keeps global attention in 7 of its 27 layers (BOOK.md:
+#   1-based layers 4, 8, 12, 16, 20, 24, 27). They are MLA layers: multi-head *latent*
+#   attention caches one compressed latent of 512 numbers plus a 64-number rope key per
+#   token per layer, shared by all 32 heads. Its other 20 layers are KDA layers with a
+#   fixed-size state, the subject of chapter 2.
+# - **All-MLA 27 layers**: the same shapes with MLA in every layer, the full-attention
+#   baseline the Kimi Linear tech report compares against.
+# - **GQA 8B-class** (Llama-3-8B-like): 32 layers, 8 KV heads of 128 dims, K and V each.
+
+# %%
+print(f"{'model':16} {'global layers':>13} {'B/token/layer':>14} {'B/token':>9} {'at 128k':>10} {'at 1M':>10}")
+for cfg in (kimi_linear_48b, all_mla_27, gqa_8b):
+    per_layer = memory.kv_bytes_per_token_layer(cfg)
+    per_token = memory.kv_bytes_per_token(cfg)
+    print(f"{cfg.name:16} {len(cfg.attn_layers):13d} {per_layer:14,d} {per_token:9,d} "
+          f"{per_token * 2**17 / 1e9:8.2f} GB {per_token * 2**20 / 1e9:8.2f} GB")
+print(f"hybrid / all-MLA KV bytes per token: {memory.kv_bytes_per_token(kimi_linear_48b) / memory.kv_bytes_per_token(all_mla_27):.4f}"
+      f"  (= 7/27 = {7 / 27:.4f})")
+print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {memory.checkpoint_bytes(kimi_linear_48b) / 1e6:.1f} MB")
+
+# %% [markdown]
+# The hybrid caches 7/27 ≈ 26% of the all-MLA baseline's KV bytes: the tech report's
+# "up to 75% less KV cache" comes from the layer count alone. Plotted to 1M tokens,
+# beside the weights the model must also hold:
+
+# %%
+lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
+fig, ax = plt.subplots()
+for cfg, key in ((gqa_8b, "gqa"), (all_mla_27, "all-mla"), (kimi_linear_48b, "hybrid")):
+    kv = np.array([memory.request_bytes(cfg, int(n))["kv"] for n in lengths]) / 1e9
+    ax.loglog(lengths, kv, **plots.style_of(key))
+weights_48b = memory.weight_bytes(kimi_linear_48b) / 1e9
+weights_8b = memory.weight_bytes(gqa_8b) / 1e9
+ax.axhline(weights_48b, linestyle="--", color=plots.color("weights"),
+           label=f"{plots.label('weights')}, 48B bf16 ({weights_48b:.0f} GB)")
+ax.axhline(weights_8b, linestyle=":", color=plots.color("weights"),
+           label=f"{plots.label('weights')}, 8B bf16 ({weights_8b:.0f} GB)")
+ax.set_xlabel("context length (tokens)")
+ax.set_ylabel("KV cache of ONE request (GB)")
+ax.set_title("KV cache bytes vs context (bf16)")
+ax.legend(loc="lower right")
+plots.save(fig, "ch01-kv-bytes")
+plt.show()
+
+# %% [markdown]
+# *Takeaway:* one GQA-8B request passes its model's entire 16 GB of weights near 120k
+# tokens; at 1M tokens one all-MLA request needs a third of the 48B model's weights, the
+# hybrid under a tenth.
+
+# %% [markdown]
+# ## Why the cache, not the weights, limits long-context serving
+#
+# Two consequences, computed with the roofline model in `kimilab.memory` (its hardware
+# numbers are *assumptions*, an H800-class accelerator: 80 GB of HBM at 3.35 TB/s; 48B
+# bf16 weights need 96 GB, so the 48B models get an 8-device node, the 8B model one
+# device; see the module docstring).
+#
+# 1. **Capacity.** The weights are stored once and shared by every request; each
+#    request brings its own cache. The memory left after the weights, divided by one
+#    request's cache, is the batch that fits.
+# 2. **Bandwidth.** Decoding one token reads the weights it uses (a mixture-of-experts
+#    model like Kimi-Linear-48B-A3B activates ~3B of its 48B parameters per token) and
+#    the whole cache of its request. At long context the cache is most of the bytes.
+
+# %%
+node, one_device = memory.DEFAULT_DEPLOYMENT, memory.Deployment(memory.H800_CLASS, 1)
+print(f"{'model':16} {'context':>8} {'fits (requests)':>16} {'cache share of bytes read, batch 1':>36}")
+for cfg, deployment in ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, one_device)):
+    for n in (8192, 2**17, 2**20):
+        fits = memory.max_batch(cfg, n, deployment)
+        cache_read = memory.request_total_bytes(cfg, n)
+        share = cache_read / memory.decode_step_bytes(cfg, n, batch=1)
+        print(f"{cfg.name:16} {n:8d} {fits:16d} {share:35.1%}")
+    crossover = memory.weight_bytes_read(cfg, 1) / memory.kv_bytes_per_token(cfg)
+    print(f"{'':16} cache read = active weights read at {crossover:,.0f} tokens")
+
+# %% [markdown]
+# At 8k tokens the weights dominate the bytes read and a node holds thousands of requests. At 1M
+# tokens the node fits only 16 all-MLA requests, and a single 80 GB device cannot
+# hold even one GQA-8B request: its 137 GB cache is 8.6x the model. When decoding one
+# request, more than four fifths of the bytes an all-MLA model reads per token are cache.
+# Shrinking the cache, not the weights, is what long context needs. The hybrid keeps
+# only 7 global layers, and chapter 2 shows what its other 20 layers keep instead: a
+# state whose size never grows.
+
+# %% [markdown]
+# ## Summary
+#
+# - `causal_attention` computes softmax attention for the last T of L positions,
+#   vectorised over heads, with GQA by grouping; it equals its loop-by-loop twin.
+# - A `KVCache` stores every layer's keys and values, append-only. Decoding with it
+#   equals recomputing the whole prefix (max difference < 1e-10 in float64) and turns
+#   per-token work from ~L² into ~L.
+# - The price is memory: bytes per token = layers × (what one layer stores) × bytes per
+#   number. Kimi-Linear-48B's 7 MLA layers store 8,064 B/token, the all-MLA baseline
+#   31,104 B/token (26%: "up to 75% less"), a GQA-8B model 131,072 B/token.
+# - At long context the cache outgrows the weights: it decides the batch that fits and
+#   most of the bytes each decoded token reads.
+#
+# ## Exercises
+#
+# 1. **MHA instead of GQA.** If `gqa_8b` gave every one of its 32 query heads its own
+#    K and V head (plain multi-head attention), how many bytes per token would its KV
+#    cache take? Compute it by hand (layers × 2 × KV heads × head dim × bytes), put it
+#    in `answer`, and run the check.
+
+# %%
+answer = None  # your number of bytes per token
+mha_8b = gqa_8b.with_(attn_kind="mha", attn_kv_heads=32)
+check(answer, memory.kv_bytes_per_token(mha_8b), name="MHA bytes per token",
+      hint="layers x 2 (K and V) x KV heads x head dim x 2 bytes (bf16).")
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# 32 layers × 2 × 32 heads × 128 dims × 2 bytes = **524,288 B/token** (4x GQA's 8 KV
+# heads): `check(32 * 2 * 32 * 128 * 2, ...)` prints "correct".
+# </details>
+#
+# 2. **Where the cache equals the weights.** At what context length does one all-MLA
+#    request's KV cache hold as many bytes as all 96 GB of the 48B model's weights?
+#    (Hint: `memory.weight_bytes(all_mla_27)` and `memory.kv_bytes_per_token(all_mla_27)`.)
+
+# %%
+answer = None  # a context length in tokens
+check(answer, memory.weight_bytes(all_mla_27) / memory.kv_bytes_per_token(all_mla_27),
+      name="cache = weights", rtol=1e-3, hint="divide the weight bytes by the KV bytes per token.")
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# 96e9 / 31,104 ≈ **3.09 million tokens**; for the hybrid (8,064 B/token) it is about
+# 11.9 million.
+# </details>
+#
+# 3. **Open.** `causal_attention` processes queries in blocks (`query_block`). Time a
+#    prefill of 4,096 tokens with blocks of 16, 256 and 4,096, and check the outputs stay
+#    equal. What limits the largest block? (Hint: the score array is H × block × L.)
+# 4. **Open.** Add a sliding window to the cache: keep only the last W tokens. Which
+#    outputs change, and which test in `tests/test_attention.py` would you have to
+#    rewrite?
