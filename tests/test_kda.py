@@ -1,0 +1,310 @@
+"""kimilab.kda: chunked == recurrent, split/carry, affine composition, gates, errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimilab import kda
+
+FAST = settings(max_examples=120, deadline=None)
+
+
+def make_inputs(seed, T, H, K, V, *, batch=None, dtype=np.float64, gate="model"):
+    """Random KDA inputs in the reference layout; ``gate`` picks how strong the decay is."""
+    rng = np.random.default_rng(seed)
+    lead = (T, H) if batch is None else (batch, T, H)
+    q = kda.l2_normalize(rng.standard_normal(lead + (K,)))
+    k = kda.l2_normalize(rng.standard_normal(lead + (K,)))
+    v = rng.standard_normal(lead + (V,))
+    if gate == "model":  # Kimi-style init: A in [1, 16], softplus(dt_bias) in [1e-3, 1e-1]
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), H * K))
+        g = kda.kda_gate(0.5 * rng.standard_normal(lead + (K,)), np.log(rng.uniform(1, 16, H)), np.log(np.expm1(dt)))
+    elif gate == "logsigmoid":  # what the fla tests use
+        g = np.log(kda.sigmoid(rng.standard_normal(lead + (K,))))
+    elif gate == "extreme":  # forces the smallest in-chunk blocks
+        g = -rng.uniform(0.0, 60.0, lead + (K,))
+    elif gate == "zero":
+        g = np.zeros(lead + (K,))
+    else:
+        raise AssertionError(gate)
+    beta = kda.sigmoid(rng.standard_normal(lead))
+    state_shape = (H, K, V) if batch is None else (batch, H, K, V)
+    S0 = rng.standard_normal(state_shape)
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return tuple(map(cast, (q, k, v, g, beta))), cast(S0)
+
+
+shapes = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**16),
+        "T": st.integers(0, 90),
+        "H": st.integers(1, 3),
+        "K": st.integers(1, 12),
+        "V": st.integers(1, 12),
+        "chunk": st.integers(1, 40),
+        "batch": st.sampled_from([None, 1, 2]),
+        "with_state": st.booleans(),
+        "gate": st.sampled_from(["model", "logsigmoid", "extreme", "zero"]),
+    }
+)
+
+
+def maxdiff(a, b):
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
+@FAST
+@given(shapes)
+def test_chunked_equals_recurrent_float64(p):
+    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    S0 = S0 if p["with_state"] else None
+    o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
+    assert o_c.shape == o_r.shape == v.shape and o_c.dtype == np.float64
+    assert s_c.shape == s_r.shape
+    assert maxdiff(o_c, o_r) <= 1e-10
+    assert maxdiff(s_c, s_r) <= 1e-10
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.data())
+def test_split_anywhere_and_carry_state(p, data):
+    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    S0 = S0 if p["with_state"] else None
+    o_all, s_all = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
+    cut = data.draw(st.integers(0, p["T"]))
+    t_axis = 0 if p["batch"] is None else 1
+    first = [np.take(x, np.arange(cut), axis=t_axis) for x in (q, k, v, g, beta)]
+    second = [np.take(x, np.arange(cut, p["T"]), axis=t_axis) for x in (q, k, v, g, beta)]
+    o1, s1 = kda.chunk_kda(*first, initial_state=S0, chunk_size=p["chunk"])
+    o2, s2 = kda.recurrent_kda(*second, initial_state=s1)  # mix the two kernels on purpose
+    assert maxdiff(np.concatenate([o1, o2], axis=t_axis), o_all) <= 1e-10
+    assert maxdiff(s2, s_all) <= 1e-10
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.data())
+def test_affine_composition_of_two_segments(p, data):
+    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    cut = data.draw(st.integers(0, p["T"]))
+    t_axis = 0 if p["batch"] is None else 1
+    part = lambda lo, hi: [np.take(x, np.arange(lo, hi), axis=t_axis) for x in (k, v, g, beta)]  # noqa: E731
+    M_a, C_a = kda.segment_transition(*part(0, cut), chunk_size=p["chunk"])
+    M_b, C_b = kda.segment_transition(*part(cut, p["T"]), chunk_size=p["chunk"])
+    M, C = kda.compose_transitions((M_a, C_a), (M_b, C_b))
+    _, s_whole = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    assert maxdiff(kda.apply_transition(M, C, S0), s_whole) <= 1e-10
+    # C is the state reached from zero; M alone carries the initial state.
+    _, s_zero = kda.recurrent_kda(q, k, v, g, beta)
+    assert maxdiff(C, s_zero) <= 1e-10
+
+
+def test_transition_of_whole_equals_composition_and_identity():
+    (q, k, v, g, beta), S0 = make_inputs(3, 100, 2, 6, 5)
+    M, C = kda.segment_transition(k, v, g, beta, chunk_size=16)
+    _, s = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
+    assert maxdiff(kda.apply_transition(M, C, S0), s) <= 1e-10
+    I, Z = kda.identity_transition(2, 6, 5)
+    M2, C2 = kda.compose_transitions((I, Z), (M, C))
+    assert maxdiff(M2, M) == 0 and maxdiff(C2, C) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_step_loop_equals_recurrent(p):
+    (q, k, v, g, beta), S0 = make_inputs(p["seed"], min(p["T"], 30), p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    o_ref, s_ref = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    t_axis = 0 if p["batch"] is None else 1
+    S = S0.copy()
+    outs = []
+    for t in range(q.shape[t_axis]):
+        pick = lambda x: np.take(x, t, axis=t_axis)  # noqa: E731
+        before = S.copy()
+        o, S = kda.kda_step(pick(q), pick(k), pick(v), pick(g), pick(beta), S)
+        outs.append(o)
+        assert not np.shares_memory(o, S)
+        del before
+    if outs:
+        assert maxdiff(np.stack(outs, axis=t_axis), o_ref) <= 1e-12
+    assert maxdiff(S, s_ref) <= 1e-12
+
+
+def test_step_does_not_modify_state():
+    (q, k, v, g, beta), S0 = make_inputs(1, 1, 2, 4, 3)
+    keep = S0.copy()
+    kda.kda_step(q[0], k[0], v[0], g[0], beta[0], S0)
+    assert np.array_equal(S0, keep)
+
+
+def test_recurrent_matches_the_definition_for_one_head():
+    """The loop written out per head, straight from BOOK.md's three lines."""
+    (q, k, v, g, beta), S0 = make_inputs(7, 9, 1, 3, 2)
+    S = S0[0].copy()
+    outs = []
+    for t in range(9):
+        S = np.diag(np.exp(g[t, 0])) @ S
+        S = S + beta[t, 0] * np.outer(k[t, 0], v[t, 0] - S.T @ k[t, 0])
+        outs.append(S.T @ (3**-0.5 * q[t, 0]))
+    o, s = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    assert maxdiff(o[:, 0], np.array(outs)) <= 1e-12
+    assert maxdiff(s[0], S) <= 1e-12
+
+
+@pytest.mark.parametrize("gate", ["model", "logsigmoid", "extreme"])
+def test_float32_follows_dtype_and_stays_close(gate):
+    (q, k, v, g, beta), S0 = make_inputs(11, 300, 2, 32, 16, dtype=np.float32, gate=gate)
+    o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
+    assert o_c.dtype == s_c.dtype == np.float32
+    assert np.all(np.isfinite(o_c)) and np.all(np.isfinite(s_c))
+    assert maxdiff(o_c, o_r) <= 1e-4 * max(1.0, float(np.abs(o_r).max()))
+    assert maxdiff(s_c, s_r) <= 1e-4 * max(1.0, float(np.abs(s_r).max()))
+
+
+def test_block_size_shrinks_with_strong_gates_and_stays_exact():
+    for gate, expect_small in (("zero", False), ("extreme", True)):
+        (q, k, v, g, beta), _ = make_inputs(5, 128, 1, 8, 8, gate=gate)
+        G = np.cumsum(kda._to_chunks(g[None], 2, 64), axis=2).reshape(-1, 64, 8)
+        s = kda._pick_block(G, 64, decaying=True)
+        assert (s < 64) == expect_small
+        o_r, _ = kda.recurrent_kda(q, k, v, g, beta)
+        o_c, _ = kda.chunk_kda(q, k, v, g, beta)
+        assert maxdiff(o_c, o_r) <= 1e-10
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 2**16))
+def test_unit_lower_inverse(n, seed):
+    rng = np.random.default_rng(seed)
+    L = np.tril(rng.standard_normal((3, n, n)) * 0.3, -1)
+    X = kda.unit_lower_inverse(L)
+    expected = np.linalg.inv(np.eye(n) + L)
+    assert X.shape == (3, n, n)
+    assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
+
+
+# ----------------------------------------------------------------------------- gates
+
+
+def test_kda_gate_formula():
+    rng = np.random.default_rng(0)
+    raw = rng.standard_normal((5, 3, 4)) * 4
+    A_log = rng.standard_normal(3)
+    dt_bias = rng.standard_normal(12)
+    g = kda.kda_gate(raw, A_log, dt_bias)
+    x = raw + dt_bias.reshape(3, 4)
+    expected = -np.exp(A_log)[:, None] * np.log1p(np.exp(x))
+    assert maxdiff(g, expected) <= 1e-12
+    assert np.all(g <= 0)
+    # dt_bias may also be given as [H, K], or left out
+    assert maxdiff(kda.kda_gate(raw, A_log, dt_bias.reshape(3, 4)), g) == 0
+    assert maxdiff(kda.kda_gate(raw, A_log), -np.exp(A_log)[:, None] * np.log1p(np.exp(raw))) <= 1e-12
+    assert kda.kda_gate(raw.astype(np.float32), A_log, dt_bias).dtype == np.float32
+
+
+def test_lowerbound_gate_formula():
+    rng = np.random.default_rng(1)
+    raw = rng.standard_normal((6, 2, 5)) * 3
+    A_log = rng.standard_normal(2)
+    dt_bias = rng.standard_normal(10)
+    g = kda.kda_gate_lowerbound(raw, A_log, dt_bias, lower_bound=-3.0)
+    expected = -3.0 / (1 + np.exp(-np.exp(A_log)[:, None] * (raw + dt_bias.reshape(2, 5))))
+    assert maxdiff(g, expected) <= 1e-12
+    assert np.all((g > -3.0) & (g < 0))
+    no_A = kda.kda_gate_lowerbound(raw, None, None)
+    assert maxdiff(no_A, -5.0 / (1 + np.exp(-raw))) <= 1e-12
+
+
+def test_beta_sigmoid_softplus_l2_are_stable():
+    x = np.array([-1000.0, -30.0, 0.0, 30.0, 1000.0])
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        b = kda.beta_from_logits(x)
+        sp = kda.softplus(x)
+    assert np.all((b >= 0) & (b <= 1)) and b[2] == 0.5
+    assert sp[-1] == 1000.0 and sp[0] == 0.0
+    v = np.array([[3.0, 4.0], [0.0, 0.0]])
+    n = kda.l2_normalize(v)
+    assert maxdiff(n[0], [3 / math.sqrt(25 + 1e-6), 4 / math.sqrt(25 + 1e-6)]) <= 1e-15
+    assert np.all(n[1] == 0)
+
+
+def test_linear_attention_state_adds():
+    (q, k, v, g, beta), _ = make_inputs(2, 20, 2, 4, 3)
+    whole = kda.linear_attention_state(k, v)
+    halves = kda.linear_attention_state(k[:7], v[:7]) + kda.linear_attention_state(k[7:], v[7:])
+    assert maxdiff(whole, halves) <= 1e-12
+
+
+def test_flop_counts_and_state_bytes():
+    assert kda.recurrent_kda_flops(4096, 4, 64, 64) == 4096 * 4 * (7 * 64 * 64 + 64 + 2 * 64)
+    full = kda.chunk_kda_flops(128, 2, 8, 8, 64)
+    assert full == 2 * kda.chunk_kda_flops(64, 2, 8, 8, 64)
+    assert kda.chunk_kda_flops(100, 1, 8, 8, 64) == kda.chunk_kda_flops(64, 1, 8, 8, 64) + kda.chunk_kda_flops(36, 1, 8, 8, 36)
+    assert isinstance(kda.chunk_kda_flops(4096, 4, 64, 64), int)
+    assert kda.state_bytes(32, 128, 128, 4) == 32 * 128 * 128 * 4
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _good(batch=None, dtype=np.float64):
+    (q, k, v, g, beta), S0 = make_inputs(0, 8, 2, 4, 3, batch=batch, dtype=dtype)
+    return dict(q=q, k=k, v=v, g=g, beta=beta), S0
+
+
+@pytest.mark.parametrize("fn", [kda.recurrent_kda, kda.chunk_kda])
+def test_bad_shapes_name_the_argument_and_layout(fn):
+    args, S0 = _good()
+    bad = dict(args, k=args["k"][:, :, :3])
+    with pytest.raises(ValueError, match=r"k: expected \[T, H, K\] matching q \[T=8, H=2, K=4\], got shape \(8, 2, 3\)"):
+        fn(**bad)
+    with pytest.raises(ValueError, match=r"v: expected \[T, H, V\] matching q \[T=8, H=2, K=4\]"):
+        fn(**dict(args, v=args["v"][:5]))
+    with pytest.raises(ValueError, match=r"beta: expected \[T, H\] matching q"):
+        fn(**dict(args, beta=args["beta"][:, None]))
+    with pytest.raises(ValueError, match=r"g: expected \[T, H, K\]"):
+        fn(**dict(args, g=args["g"][:, :1]))
+    with pytest.raises(ValueError, match=r"initial_state: expected \[H, K, V\] matching q \[T=8, H=2, K=4, V=3\]"):
+        fn(**args, initial_state=S0[:, :, :2])
+    with pytest.raises(ValueError, match=r"q: expected \[T, H, K\] or \[B, T, H, K\], got shape \(8, 8\)"):
+        fn(**dict(args, q=np.zeros((8, 8))))
+    bargs, _ = _good(batch=2)
+    with pytest.raises(ValueError, match=r"k: expected \[B, T, H, K\] matching q \[B=2, T=8, H=2, K=4\]"):
+        fn(**dict(bargs, k=bargs["k"][:1]))
+
+
+@pytest.mark.parametrize("fn", [kda.recurrent_kda, kda.chunk_kda])
+def test_bad_dtypes_name_the_argument(fn):
+    args, _ = _good()
+    with pytest.raises(ValueError, match=r"q: expected dtype float32 or float64, got int64"):
+        fn(**dict(args, q=np.zeros((8, 2, 4), dtype=np.int64)))
+    with pytest.raises(ValueError, match=r"v: expected dtype float64 \(matching q\), got float32"):
+        fn(**dict(args, v=args["v"].astype(np.float32)))
+
+
+def test_other_bad_arguments():
+    args, S0 = _good()
+    with pytest.raises(ValueError, match=r"chunk_size: expected a positive int"):
+        kda.chunk_kda(**args, chunk_size=0)
+    with pytest.raises(ValueError, match=r"scale: expected a finite number"):
+        kda.recurrent_kda(**args, scale=float("nan"))
+    with pytest.raises(ValueError, match=r"g: expected \[T, H, K\] matching k \[T=8, H=2, K=4\]"):
+        kda.segment_transition(args["k"], args["v"], args["g"][:, :, :2], args["beta"])
+    q1, k1, v1, g1, b1 = (x[0] for x in args.values())
+    with pytest.raises(ValueError, match=r"state: expected \[H, K, V\] matching q \[H=2, K=4, V=3\]"):
+        kda.kda_step(q1, k1, v1, g1, b1, S0[:1])
+    with pytest.raises(ValueError, match=r"v: expected \[H, V\] matching q \[H=2, K=4\]"):
+        kda.kda_step(q1, k1, v1[:1], g1, b1, S0)
+    with pytest.raises(ValueError, match=r"A_log: expected \[H\] with H=2"):
+        kda.kda_gate(np.zeros((3, 2, 4)), np.zeros(3))
+    with pytest.raises(ValueError, match=r"dt_bias: expected \[H\*K\]=8 or \[H, K\]=\(2, 4\)"):
+        kda.kda_gate(np.zeros((3, 2, 4)), np.zeros(2), np.zeros(7))
+    with pytest.raises(ValueError, match=r"lower_bound: expected a float in \[-5, 0\)"):
+        kda.kda_gate_lowerbound(np.zeros((3, 2, 4)), np.zeros(2), None, lower_bound=0.0)
+    with pytest.raises(ValueError, match=r"S: expected"):
+        kda.apply_transition(np.zeros((2, 4, 4)), np.zeros((2, 4, 3)), np.zeros((2, 4, 2)))
