@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kimilab.attention import causal_pairs
 from kimilab.config import ModelConfig
+from kimilab.kda import chunk_kda_flops, recurrent_kda_flops
 
 __all__ = [
     "Accelerator", "Deployment", "WeightModel",
@@ -29,7 +30,7 @@ __all__ = [
     "kda_state_bytes", "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes",
     "request_bytes", "request_total_bytes", "cache_anatomy",
     "estimate_params", "weight_model", "weight_bytes", "weight_bytes_read",
-    "linear_flops_per_token", "kda_chunk_flops", "kda_recurrent_flops_per_token",
+    "linear_flops_per_token",
     "prefill_flops", "decode_flops_per_token",
     "decode_step_bytes", "decode_bytes_per_token", "decode_step_seconds", "max_batch",
     "DecodePoint", "decode_point", "hybrid_vs_baseline_report",
@@ -298,28 +299,12 @@ def _decode_key_flops(cfg: ModelConfig) -> int:
     return _prefill_pair_flops(cfg)
 
 
-def kda_chunk_flops(c: int, K: int, V: int) -> int:
-    """Matmul FLOPs of one chunk of c tokens for one KDA head (BOOK.md chunkwise form)."""
-    return (2 * c * c * K  # Akk
-            + c ** 3 // 3 + c * c  # unit-lower-triangular inverse, times diag(beta)
-            + 2 * c * c * K + 2 * c * c * V  # W = T (e^G K), U = T V
-            + 2 * c * K * V + c * V  # V' = U - W S
-            + 2 * c * c * K  # Aqk
-            + 2 * c * K * V + 2 * c * c * V  # O = (e^G Q) S + Aqk V'
-            + K * V + 2 * c * K * V)  # S <- diag(e^G_C) S + (e^(G_C - G) K)^T V'
-
-
-def kda_recurrent_flops_per_token(K: int, V: int) -> int:
-    """One recurrent step for one head: decay, S^T k, rank-1 update, S^T q."""
-    return K * V + 2 * K * V + 2 * K * V + 2 * K * V
-
-
 def prefill_flops(cfg: ModelConfig, n_new: int, n_cached: int = 0) -> int:
     """FLOPs to prefill ``n_new`` tokens on top of ``n_cached`` already-cached ones.
 
     Weights: linear in n_new. Global attention: n_new * n_cached + n_new (n_new + 1) / 2
-    pairs per layer. KDA: chunked (chunk ``cfg.chunk_size``), linear in n_new and free of
-    n_cached (the state carries the past). Conv: 2 * kernel * channels per token.
+    pairs per layer. KDA: ``kda.chunk_kda_flops`` (chunk ``cfg.chunk_size``), linear in
+    n_new and free of n_cached (the state carries the past). Conv: 2 * kernel * channels per token.
     """
     _check_cfg(cfg)
     n_new = _check_int("n_new", n_new, 0)
@@ -328,11 +313,10 @@ def prefill_flops(cfg: ModelConfig, n_new: int, n_cached: int = 0) -> int:
         return 0
     total = n_new * linear_flops_per_token(cfg)
     total += len(cfg.attn_layers) * causal_pairs(n_new, n_cached + n_new) * _prefill_pair_flops(cfg)
-    C, K = cfg.chunk_size, cfg.head_dim
-    full, rest = divmod(n_new, C)
-    per_head = full * kda_chunk_flops(C, K, K) + (kda_chunk_flops(rest, K, K) if rest else 0)
+    K = cfg.head_dim
+    kda = chunk_kda_flops(n_new, cfg.n_heads, K, K, chunk=cfg.chunk_size)
     conv = 2 * cfg.conv_kernel * cfg.conv_channels * n_new
-    total += len(cfg.kda_layers) * (cfg.n_heads * per_head + conv)
+    total += len(cfg.kda_layers) * (kda + conv)
     return int(total)
 
 
@@ -342,7 +326,7 @@ def decode_flops_per_token(cfg: ModelConfig, context_len: int) -> int:
     L = _check_int("context_len", context_len, 0)
     total = linear_flops_per_token(cfg)
     total += len(cfg.attn_layers) * (L + 1) * _decode_key_flops(cfg)
-    per_kda = cfg.n_heads * kda_recurrent_flops_per_token(cfg.head_dim, cfg.head_dim)
+    per_kda = recurrent_kda_flops(1, cfg.n_heads, cfg.head_dim, cfg.head_dim)
     per_kda += 2 * cfg.conv_kernel * cfg.conv_channels
     total += len(cfg.kda_layers) * per_kda
     return int(total)
