@@ -1,0 +1,517 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 5. Prefix caching for attention
+#
+# **What you'll build.** Realistic request traffic (multi-turn chat, agent/tool loops,
+# shared-document Q&A, and a trace shaped like Moonshot's published Mooncake
+# conversation trace), written in the Mooncake trace format; a radix tree over
+# page-sized blocks that caches KV pages across requests; and a replay that measures
+# how much prompt work the cache saves as its capacity grows.
+#
+# **What you'll learn.**
+# - How a Mooncake trace describes prefix sharing with nothing but chained block ids.
+# - What a radix tree of blocks does: longest-prefix match, reference counts that pin
+#   blocks in use, leaf-first LRU eviction.
+# - The *token-weighted hit rate* (prompt tokens served from cache / all prompt
+#   tokens) of each workload as a function of cache capacity, next to Mooncake's
+#   reported cache ratios.
+# - Why, for a hybrid model, a KV hit alone saves **nothing**: without the KDA state
+#   at the hit position the whole prompt must be recomputed anyway. That is the
+#   problem chapter 6 solves.
+#
+# **What you'll need.** Chapters 3 (the hybrid model and its cache) and 4 (the page
+# pool). The traces are synthetic and the model is the reduced, untrained `tiny`
+# config: the mechanisms are exact, the traffic is plausible rather than real.
+# Everything runs on a CPU in a few seconds.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
+
+import kimilab.memory as memory
+import kimilab.radix as radix
+import kimilab.workloads as wl
+from kimilab import plots
+from kimilab.cache import HybridCache
+from kimilab.checks import check
+from kimilab.config import kimi_linear_48b, tiny
+from kimilab.model import Model
+from kimilab.notebook import show_source
+from kimilab.pool import PagePool
+from kimilab.tokenizer import ByteTokenizer
+
+plots.use_style()
+
+# %% [markdown]
+# ## Requests that share prefixes
+#
+# A *prefix cache* keeps the KV of prompts it has already processed, so a later prompt
+# that starts with the same tokens skips them. Whether that pays depends on the
+# traffic. Three shapes dominate real serving:
+#
+# - **multi-turn chat**: every turn re-sends the system prompt, the whole history and
+#   the model's previous reply, plus one new message;
+# - **agent / tool loops**: a long shared tool prompt, then tool outputs appended step
+#   by step; sub-tasks fork from the same point;
+# - **shared-document Q&A**: many readers ask about the same few documents.
+#
+# `kimilab.workloads` generates each one from a seed (`numpy.random.default_rng`, so
+# the same requests on every machine). A request is token ids plus an arrival time in
+# simulated milliseconds. Here is the chat generator:
+
+# %%
+show_source(wl._chat_specs)
+
+# %% [markdown]
+# The generator first builds each prompt as a list of *segments* `(uid, length)`: the
+# system prompt, each user message, each reply. Tokens come later, one seeded stream
+# per segment. A toy example: two sessions with a 6-token system prompt and messages
+# of about 3 tokens. Each later turn of a session starts with the earlier turn's tokens.
+
+# %%
+toy = wl.chat_sessions(2, seed=2, system_len=6, user_len=3, reply_len=3, mean_turns=3,
+                       vocab_size=50)
+for r in toy:
+    print(f"request {r.request_id}  session {r.session}  t={r.arrival_ms:>6d} ms  "
+          f"in={r.input_length:2d}  out={r.output_length}  tokens={r.tokens.tolist()}")
+
+# %% [markdown]
+# ## The Mooncake trace format
+#
+# Moonshot published Kimi's request traces (Mooncake, FAST'25) without any text: one
+# JSON line per request with `timestamp` (ms), `input_length`, `output_length` and
+# `hash_ids`. The prompt is cut into 512-token blocks (the last may be partial) and
+# `hash_ids[j]` names **the whole prefix up to and including block j**. Ids are
+# handed out 0, 1, 2, ... in order of first appearance, so two requests share
+# `hash_ids[j]` exactly when their first `j + 1` blocks are identical. `to_trace`
+# computes them by looking each block up under its parent's id:
+
+# %%
+show_source(wl.to_trace)
+
+# %% [markdown]
+# The toy chat with 4-token blocks. Within a session each turn repeats the previous
+# turn's full blocks; the previous turn's *partial* last block gets a new id, because
+# at that position the longer prompt has a full block with different content. Both
+# sessions start with the same block 0, the system prompt.
+
+# %%
+for rec in wl.to_trace(toy, block_size=4):
+    print(rec.to_json())
+
+# %% [markdown]
+# The committed traces in `data/` (see `data/README.md`; `python -m kimilab.workloads
+# regenerate data/` rewrites them byte for byte) use 512-token blocks. `load_trace`
+# validates every line and names the line and field of the first bad one:
+
+# %%
+files = {"chat": "chat.jsonl", "agent": "agent.jsonl", "document": "document.jsonl",
+         "conversation": "conversation_like.jsonl"}
+traces = {key: wl.load_trace(f"../data/{name}", 512) for key, name in files.items()}
+
+try:
+    wl.parse_line('{"timestamp": 5, "input_length": 1000, "output_length": 7, "hash_ids": [0]}',
+                   lineno=17, block_size=512)
+except ValueError as err:
+    print("ValueError:", err)
+
+# %%
+print(f"{'trace':<13}{'requests':>9}{'span s':>8}{'in mean':>9}{'p50':>8}{'p99':>8}"
+      f"{'out mean':>9}{'1st blk':>8}{'reuse':>7}")
+stats = {}
+for key, records in traces.items():
+    s = stats[key] = wl.trace_stats(records, 512)
+    print(f"{key:<13}{s['requests']:>9,d}{s['duration_s']:>8.0f}{s['input_mean']:>9,.0f}"
+          f"{s['input_p50']:>8,.0f}{s['input_p99']:>8,.0f}{s['output_mean']:>9.0f}"
+          f"{s['share_first_block']:>8.2f}{s['reuse_upper_bound']:>7.3f}")
+
+# %% [markdown]
+# `1st blk` is the share of requests whose first block is the most common first block;
+# `reuse` is the token-weighted hit rate of an *infinite* block cache (every block seen
+# before is a hit) — a property of the traffic, the ceiling for any real cache.
+#
+# The conversation-like trace was tuned to the published statistics of Mooncake's
+# conversation trace: about 12,000 requests in an hour, input mean about 12k tokens,
+# p50 about 7k, p99 about 85k, output mean about 340, one common first block. It
+# matches those (12,044 requests; 11,847 / 7,036 / 85,373; 340). Its reuse was not
+# tuned: conversations average three turns, which gives a ceiling of 0.669.
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4))
+for key, records in traces.items():
+    lengths = np.sort([r.input_length for r in records])
+    ax.plot(lengths, np.arange(1, len(lengths) + 1) / len(lengths), **plots.style_of(key))
+ax.plot([7_000, 85_000], [0.50, 0.99], "x", color="black", markersize=9, mew=2,
+        label="Mooncake conversation p50 / p99 (published)")
+ax.set_xscale("log")
+ax.set_xlabel("prompt length (tokens)")
+ax.set_ylabel("fraction of requests (CDF)")
+ax.set_title("Prompt lengths of the four workloads")
+ax.legend(loc="upper left", fontsize=8)
+plots.save(fig, "ch05-prompt-lengths")
+plt.show()
+
+# %% [markdown]
+# The conversation-like trace (pink) passes through both published percentiles; the
+# agent and document workloads are long because their shared prefixes (tool prompt,
+# document) are long.
+
+# %% [markdown]
+# ## A radix tree over blocks
+#
+# A serving engine keeps cached KV in pool pages (chapter 4). The prefix cache is a
+# *radix tree* whose nodes are blocks: a node's key names the block given its parent,
+# so a path from the root names a whole prefix — exactly what a Mooncake hash id is.
+# Three operations matter:
+#
+# - **match**: walk down from the root while the next block is cached; the hit is the
+#   deepest node reached (a whole number of blocks);
+# - **insert**: add the missing blocks below it, each taking pages from the pool;
+#   blocks used by a running request are *pinned* by a reference count;
+# - **evict**: when the pool is full, free unpinned *leaves*, least recently used first.
+#   Only leaves: a parent is the prefix its children need.
+#
+# `kimilab.radix` (written for chapter 6, used here) implements it:
+
+# %%
+show_source(radix.RadixTree._match)
+
+# %%
+show_source(radix.RadixTree.evict)
+
+# %% [markdown]
+# A pool of 4 pages, one page per 4-token block, and three prompts. The second prompt
+# shares two blocks with the first, so it adds one. The third shares only the first
+# block and needs two new ones, but the pool is full: the cache evicts the two least
+# recently used leaves, A's last block and then B's last block. Block [5..8] survives
+# the first eviction because it still had a child; it is kept as a cached prefix.
+
+# %%
+tree = radix.RadixTree(PagePool(4, 64, backed=False), block_size=4)
+prompts = {
+    "A": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    "B": [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23],
+    "C": [1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 36, 37],
+}
+for name, tokens in prompts.items():
+    m = tree.serve(tokens=tokens)
+    cached = " ".join(f"[{n.tokens[0]}..{n.tokens[-1]}]" for n in tree.nodes())
+    print(f"prompt {name}: hit {m.hit_tokens:2d} of {len(tokens)} tokens;  "
+          f"cached blocks (root first): {cached};  evicted so far: {tree.n_evicted}")
+
+# %% [markdown]
+# ## Hit rate vs cache capacity
+#
+# The number that matters is the **token-weighted hit rate**: prompt tokens served from
+# the cache divided by all prompt tokens. A 100k-token hit on one request outweighs a
+# hundred 512-token hits, as it should: prefill work grows with tokens.
+#
+# `replay_trace` feeds a trace through a tree in timestamp order, one request at a
+# time. Capacity is the pool size in 512-token blocks; we sweep it from 4 blocks (2k
+# tokens) to 16,384 blocks (8.4M tokens). Replaying the full hour of the
+# conversation-like trace at seven capacities takes several CPU seconds, too much for
+# this chapter's budget, so this cell
+# replays its **first 10 minutes** (a time window, not a random sample, so sessions
+# stay whole) and the three small traces in full.
+
+# %%
+show_source(radix.replay_trace)
+
+# %%
+window_ms = 10 * 60 * 1000
+replayed = dict(traces)
+replayed["conversation"] = [r for r in traces["conversation"] if r.timestamp < window_ms]
+capacities = [4, 16, 64, 256, 1024, 4096, 16384]  # blocks of 512 tokens
+hit = {key: [] for key in replayed}
+for key, records in replayed.items():
+    for blocks in capacities:
+        result, _ = radix.replay_trace(records, PagePool(blocks, 1, backed=False), 512)
+        hit[key].append(result.hit_rate)
+ceiling = {key: wl.reuse_upper_bound(records, 512) for key, records in replayed.items()}
+
+print(f"conversation window: {len(replayed['conversation']):,} requests, "
+      f"{sum(r.input_length for r in replayed['conversation']):,} prompt tokens")
+print("capacity (tokens): " + "  ".join(f"{b * 512:>9,d}" for b in capacities) + "   infinite")
+for key in replayed:
+    print(f"{key:<17} " + "  ".join(f"{h:>9.3f}" for h in hit[key]) + f"   {ceiling[key]:8.3f}")
+
+# %%
+kv_bytes = memory.kv_bytes_per_token(kimi_linear_48b)
+fig, ax = plt.subplots(figsize=(7.5, 4.3))
+x = np.array(capacities) * 512
+for key in replayed:
+    ax.plot(x, hit[key], marker="o", **plots.style_of(key))
+    ax.axhline(ceiling[key], color=plots.color(key), linestyle=":", linewidth=1)
+ax.set_xscale("log")
+ax.set_ylim(0, 1)
+ax.set_xlabel("cache capacity (cached tokens; 1M tokens = 8.1 GB of Kimi-Linear-48B KV)")
+ax.set_ylabel("token-weighted hit rate")
+ax.set_title("Prefix-cache hit rate vs capacity (dotted: infinite cache)")
+ax.legend(loc="upper left", fontsize=8)
+plots.save(fig, "ch05-hit-rate-vs-capacity")
+plt.show()
+
+# %% [markdown]
+# Each workload climbs from "only the shared first prefix fits" to its ceiling (dotted)
+# once the cache holds its working set — the blocks that will be asked for again before
+# LRU pushes them out. How much capacity that takes:
+
+# %%
+for key in replayed:
+    reach = next(b * 512 for b, h in zip(capacities, hit[key]) if h >= 0.9 * ceiling[key])
+    print(f"{key:<13} reaches 90% of its ceiling ({ceiling[key]:.3f}) at {reach:>9,d} cached tokens "
+          f"= {reach * memory.kv_bytes_per_token(kimi_linear_48b) / 1e9:6.2f} GB of 48B KV")
+
+# %% [markdown]
+# The three small workloads are saturated by a cache of about 131k tokens: their
+# sessions are short and their shared prefixes few. The conversation window has
+# thousands of concurrent conversations, each re-sending a history of ~12k tokens
+# after a minute of thinking, so it needs millions of cached tokens.
+#
+# The x-axis label converts tokens to bytes for the real model: Kimi-Linear-48B keeps
+# KV only in its 7 MLA layers, 8,064 bytes per token, so a million cached tokens is
+# 8.1 GB.
+#
+# **Against Mooncake's reported cache ratios.** Moonshot reports about 40% for its
+# conversation trace, 59% for tool&agent and 66% for synthetic traffic. Our numbers do
+# not reproduce theirs and should not be read as doing so: the traffic is synthetic,
+# and we do not know the cache capacity behind their figures. What can be compared is
+# the shape. Our agent traffic reuses more than our chat and conversation traffic, as
+# theirs does (59% vs 40%). Our conversation-like trace has a ceiling of 0.67 for the
+# whole hour (0.611 for the 10-minute window); it passes 40% between 0.5M and 2M cached tokens
+# — 4 to 17 GB of KV at 48B scale, a plausible per-node cache. If their 40% were an
+# infinite-cache ratio, real conversations would have fewer turns than ours.
+
+# %% [markdown]
+# ## Whole blocks lose the tail
+#
+# A block cache only matches whole blocks. A chat turn re-sends the previous prompt
+# plus a reply and a new message, but the previous prompt's partial last block (up to
+# 511 tokens) is not a full block, so it is recomputed. A radix tree that keeps tokens
+# can match *inside* a block (`partial_blocks=True`, token-exact, as SGLang's per-token
+# tree does). For the chat workload, with an unlimited cache:
+
+# %%
+chat_requests = wl.chat_sessions(60, seed=1)  # the generator call behind data/chat.jsonl
+for partial in (False, True):
+    t = radix.RadixTree(PagePool(1 << 20, 1, backed=False), 512, partial_blocks=partial)
+    served = sum(t.serve(tokens=r.tokens).hit_tokens for r in chat_requests)
+    total = sum(r.input_length for r in chat_requests)
+    print(f"partial_blocks={partial!s:<5}: hit rate {served / total:.3f}")
+
+# %% [markdown]
+# ## For a hybrid model, a KV hit alone saves nothing
+#
+# Everything above counted *KV* hits. For a pure attention model that is the whole
+# story: attention at position t reads the KV of positions 0..t, the KV of a shared
+# prefix is identical for every request that shares it, and the model continues from
+# the first uncached token.
+#
+# A hybrid model also has KDA layers (three of every four in `tiny`, 20 of 27 in
+# Kimi-Linear-48B). A KDA layer keeps no per-token KV; its whole past is one state
+# matrix that every token overwrites (chapter 2). To continue from position p it needs
+# **the state at exactly p**. The prefix cache above stored KV pages only; the state at
+# the hit position was overwritten long ago by the rest of the earlier prompt.
+#
+# Let us see it on the tiny model. Request 1 is a system prompt and a question; the
+# model replies (untrained, so the reply is noise); request 2 re-sends all of it plus a
+# follow-up question — one chat session, two turns.
+
+# %%
+tok = ByteTokenizer()
+model = Model(tiny, seed=0)
+turn1 = tok.encode("System: you are a careful assistant.\nUser: what is a KV cache, briefly?\n")
+reply = model.generate(turn1, 12)
+turn2 = turn1 + reply + tok.encode("User: and a KDA state?\n", bos=False)
+print(f"turn 1: {len(turn1)} tokens; reply: {len(reply)} tokens; turn 2: {len(turn2)} tokens")
+
+BLOCK = 16
+kv_tree = radix.RadixTree(PagePool(64, 64, backed=False), BLOCK)
+kv_tree.serve(tokens=turn1)
+kv_hit = kv_tree.match(tokens=turn2).hit_tokens
+print(f"the block radix tree (block {BLOCK}) finds a KV hit of {kv_hit} tokens for turn 2")
+
+# %% [markdown]
+# The hit is 4 whole blocks; turn 1's last 9 tokens sit in a partial block. The
+# reference is a cold prefill of turn 2. Then turn 1 as an engine serves it — prefill
+# into a cache — which leaves the KV of every global layer for all its tokens,
+# including the 64 that the tree says turn 2 shares.
+
+# %%
+cold = model.new_cache()
+logits_cold = model.prefill(turn2, cold)
+
+cache1 = model.new_cache()
+model.prefill(turn1, cache1)
+shared_kv = {i: (cache1.kv(i)[0][:kv_hit], cache1.kv(i)[1][:kv_hit]) for i in tiny.attn_layers}
+same_kv = all(np.max(np.abs(shared_kv[i][0] - cold.kv(i)[0][:kv_hit])) < 1e-10 for i in tiny.attn_layers)
+print(f"global layers {list(tiny.attn_layers)}: cached KV of the first {kv_hit} tokens "
+      f"equals turn 2's own KV (max |diff| < 1e-10): {same_kv}")
+
+# %% [markdown]
+# The KV is right. Now try to use it. The KDA layers need their state at position 64,
+# but the only state turn 1 left behind is the one at its end (position 73; a real
+# engine has even decoded the reply into it since). Resuming with the shared KV and *zero* KDA states (or the
+# end-of-turn-1 states) gives wrong logits:
+
+# %%
+def resume(kda_states, conv_states, n):
+    """A cache at position n: shared KV for global layers, the given states for KDA layers."""
+    c = model.new_cache()
+    for i in tiny.attn_layers:
+        c.append_kv(i, *shared_kv[i])
+    for i in tiny.kda_layers:
+        c.set_kda_state(i, kda_states[i])
+        c.set_conv_state(i, conv_states[i])
+    c.advance(n)
+    return c
+
+
+zeros = resume({i: np.zeros_like(cache1.kda_state(i)) for i in tiny.kda_layers},
+               {i: np.zeros_like(cache1.conv_state(i)) for i in tiny.kda_layers}, kv_hit)
+stale = resume({i: cache1.kda_state(i) for i in tiny.kda_layers},
+               {i: cache1.conv_state(i) for i in tiny.kda_layers}, kv_hit)
+for name, c in (("zero KDA states", zeros), ("states from the end of turn 1", stale)):
+    out = model.prefill(turn2[kv_hit:], c)
+    err = np.max(np.abs(out - logits_cold[kv_hit:]))
+    agree = np.mean(out.argmax(-1) == logits_cold[kv_hit:].argmax(-1))
+    print(f"resume at {kv_hit} with {name:<30}: max |logit diff| = {err:.2e}, "
+          f"greedy tokens agree {agree:.0%}")
+
+# %% [markdown]
+# There is no way to *cut* the end-of-turn-1 state back to position 64: a KDA state is
+# not a sum over tokens that could be subtracted (chapter 2), and the states differ:
+
+# %%
+probe = model.new_cache()
+model.prefill(turn1[:kv_hit], probe)
+ckpt = probe.checkpoint()  # what a state checkpoint at position 64 would hold
+gap = max(np.max(np.abs(ckpt.kda_states[i] - cache1.kda_state(i))) for i in tiny.kda_layers)
+print(f"max |S({len(turn1)}) - S({kv_hit})| over KDA layers = {gap:.2e}")
+
+# %% [markdown]
+# With that checkpoint — states at exactly 64 plus the shared KV — the resume is exact,
+# and only the last tokens are recomputed:
+
+# %%
+restored = HybridCache.from_checkpoint(tiny, ckpt, kv=shared_kv)
+out = model.prefill(turn2[kv_hit:], restored)
+same_logits = np.max(np.abs(out - logits_cold[kv_hit:])) < 1e-10
+same_states = all(np.max(np.abs(restored.kda_state(i) - cold.kda_state(i))) < 1e-10
+                  for i in tiny.kda_layers)
+print(f"resume from checkpoint at {kv_hit}: logits equal cold prefill (max |diff| < 1e-10): "
+      f"{same_logits}; final KDA states equal: {same_states}")
+print(f"checkpoint size: {ckpt.nbytes:,} bytes for tiny; "
+      f"{memory.checkpoint_bytes(kimi_linear_48b):,} bytes for Kimi-Linear-48B")
+
+# %% [markdown]
+# So the saved prompt work for turn 2 is:
+
+# %%
+scenarios = {
+    "no-cache": ("no cache", 0),
+    "kv-only": ("KV hit, attention-only model", kv_hit),
+    "kda-state": (f"KV hit, hybrid, no state at {kv_hit}", 0),
+    "checkpoint": ("KV hit + state checkpoint, hybrid", kv_hit),
+}
+for key, (name, saved) in scenarios.items():
+    print(f"{name:<36} saved {saved:2d} tokens, recompute {len(turn2) - saved:2d} of {len(turn2)}")
+
+fig, ax = plt.subplots(figsize=(7.5, 3.6))
+names = [name for name, _ in scenarios.values()]
+y = np.arange(len(names))[::-1]
+for yi, (key, (name, s)) in zip(y, scenarios.items()):
+    r = len(turn2) - s
+    ax.barh(yi, s, color=plots.color(key))
+    ax.barh(yi, r, left=s, color="#DDDDDD", edgecolor="#999999")
+    ax.text(s + r / 2, yi, f"recompute {r}", ha="center", va="center", fontsize=8)
+    if s:
+        ax.text(s / 2, yi, f"served {s}", ha="center", va="center", fontsize=8, color="white")
+handles = [Patch(color=plots.color("kv-only"), label="served from cache, attention-only model"),
+           Patch(color=plots.color("checkpoint"), label="served from cache, hybrid + checkpoint"),
+           Patch(facecolor="#DDDDDD", edgecolor="#999999", label="recomputed")]
+ax.set_yticks(y, names)
+ax.set_xlim(0, len(turn2) * 1.02)
+ax.set_xlabel(f"prompt tokens of turn 2 ({len(turn2)} in all)")
+ax.set_title(f"What a KV hit of {kv_hit} tokens buys, tiny model")
+ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=7)
+plots.save(fig, "ch05-kv-only")
+plt.show()
+
+# %% [markdown]
+# The radix tree reports the same 64-token hit in all three cached cases, but the hybrid
+# model can use it only when a state checkpoint at that position exists; without one it
+# recomputes every token of turn 2, exactly like no cache.
+#
+# At trace scale the consequence is stark. With a KV-only prefix cache, a hybrid model's
+# *usable* hit rate is 0 on every workload above, whatever the capacity, while the same
+# cache, given enough capacity, would have saved an attention model 0.67–0.94 of its
+# prompt work. The fix is to
+# keep state checkpoints too — but one Kimi-Linear-48B checkpoint weighs 43.4 MB, the KV
+# of about 5,400 tokens:
+
+# %%
+per_ckpt = memory.checkpoint_bytes(kimi_linear_48b)
+print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.0f} tokens "
+      f"= {per_ckpt / (kv_bytes * 512):.1f} blocks of 512 tokens")
+
+# %% [markdown]
+# A checkpoint at every block boundary would cost ten times more memory than the KV it
+# makes usable. Which positions deserve a checkpoint, and how many, is chapter 6.
+#
+# ## Summary
+#
+# - Real traffic shares prefixes: chat re-sends history, agents re-send tool prompts and
+#   outputs, readers share documents. The Mooncake trace format captures that with
+#   chained 512-token block ids; `kimilab.workloads` generates, exports, validates and
+#   reloads such traces, byte-identically on every machine.
+# - A radix tree of blocks with pinning and leaf-first LRU turns that sharing into hits.
+#   Token-weighted hit rate climbs with capacity to the workload's ceiling: 0.72 (chat),
+#   0.92 (agent), 0.94 (document), 0.67 (conversation-like, full hour).
+# - Mooncake reports 40% / 59% / 66% for its conversation / tool&agent / synthetic
+#   traces; our synthetic traces reproduce the ordering chat < agent, not the digits.
+# - Whole-block matching loses each prompt's partial last block; token-exact matching
+#   recovers part of it.
+# - For a hybrid model a KV hit is usable only where the KDA (and conv) state at that
+#   exact position was kept. A KV-only cache saves a hybrid model nothing.
+#
+# ## Exercises
+#
+# 1. **Whole blocks.** A chat turn re-sends a 2,900-token previous prompt plus 400 new
+#    tokens. With a whole-block cache of 512-token blocks that already holds the
+#    previous prompt, how many prompt tokens of the new turn are served from cache?
+
+# %%
+answer = None  # your number of tokens
+check(answer, (2900 // 512) * 512, name="whole blocks",
+      hint="Only full blocks of the previous prompt are cached: count them, times 512.")
+
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# `2900 // 512 = 5` full blocks, so `5 * 512 = 2560` tokens hit; the previous prompt's
+# last 340 tokens sat in a partial block and are recomputed with the 400 new ones.
+# </details>
+#
+# 2. **Capacity.** Replay the agent trace (`traces["agent"]`) with `radix.replay_trace`
+#    at 8, 32 and 128 blocks. Where does the hit rate jump, and how does that relate to
+#    the 6,000-token tool prompt (12 blocks)?
+# 3. **Full hour.** Replay all 12,044 requests of the conversation-like trace at 4,096
+#    blocks (a few seconds). Is the hit rate close to the 10-minute window's? Why might
+#    a window of a trace show a *higher* hit rate at equal capacity, or a lower one?
+# 4. **Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
+#    and compute `wl.reuse_upper_bound`. How many turns per conversation would make the
+#    ceiling about 40%?

@@ -1,0 +1,282 @@
+"""Workload generators and the Mooncake trace format (kimilab.workloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kimilab import workloads as wl
+from kimilab.workloads import Request, TraceRecord
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+SMALL = {
+    "chat": lambda seed: wl.chat_sessions(6, seed=seed, system_len=40, user_len=20, reply_len=25,
+                                          mean_turns=4, vocab_size=97),
+    "agent": lambda seed: wl.agent_loops(4, seed=seed, tool_prompt_len=70, task_len=15,
+                                         mean_steps=5, action_len=10, tool_output_len=30,
+                                         branch_prob=0.5, vocab_size=97),
+    "document": lambda seed: wl.document_qa(30, seed=seed, n_documents=4, system_len=20,
+                                            doc_len=120, question_len=8, answer_len=12,
+                                            vocab_size=97),
+}
+
+
+def same_requests(a: list[Request], b: list[Request]) -> bool:
+    return len(a) == len(b) and all(
+        x.request_id == y.request_id and x.arrival_ms == y.arrival_ms
+        and x.output_length == y.output_length and x.session == y.session
+        and np.array_equal(x.tokens, y.tokens)
+        for x, y in zip(a, b)
+    )
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+@pytest.mark.parametrize("kind", sorted(SMALL))
+def test_generators_are_deterministic_and_seed_dependent(kind):
+    a, b, c = SMALL[kind](0), SMALL[kind](0), SMALL[kind](1)
+    assert same_requests(a, b)
+    assert not same_requests(a, c)
+    assert all(r.tokens.dtype == np.int32 and r.tokens.max() < 97 for r in a)
+    assert [r.request_id for r in a] == list(range(len(a)))
+    arrivals = [r.arrival_ms for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0
+
+
+def test_chat_turn_resends_history_and_previous_reply():
+    reqs = wl.chat_sessions(5, seed=3, system_len=30, user_len=10, reply_len=12, vocab_size=1000)
+    by_session: dict[int, list[Request]] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    multi = 0
+    for turns in by_session.values():
+        for prev, cur in zip(turns, turns[1:]):
+            n = prev.input_length
+            assert np.array_equal(cur.tokens[:n], prev.tokens)  # whole history re-sent
+            assert cur.input_length > n + prev.output_length  # + reply + new message
+            multi += 1
+    assert multi > 0
+    first = {r.tokens[:30].tobytes() for r in reqs}
+    assert len(first) == 1  # the system prompt is shared by every session
+
+
+def test_agent_subtasks_branch_from_one_context():
+    reqs = wl.agent_loops(6, seed=5, tool_prompt_len=50, task_len=10, mean_steps=6,
+                          action_len=5, tool_output_len=10, branch_prob=1.0, n_branches=3,
+                          vocab_size=1000)
+    assert all(np.array_equal(r.tokens[:50], reqs[0].tokens[:50]) for r in reqs)
+    # with one-token blocks the hash ids form the token trie: look for a fork
+    # (a node with >= 3 children) deeper than the shared tool prompt
+    children: dict[tuple[int, int], set[int]] = {}
+    for rec in wl.to_trace(reqs, 1):
+        parent = -1
+        for depth, h in enumerate(rec.hash_ids):
+            children.setdefault((depth, parent), set()).add(h)
+            parent = h
+    assert any(depth > 50 and len(kids) >= 3 for (depth, _), kids in children.items())
+
+
+def test_document_qa_shares_documents_by_popularity():
+    reqs = wl.document_qa(200, seed=2, n_documents=5, system_len=10, doc_len=100,
+                          question_len=5, answer_len=5, vocab_size=1000)
+    docs = [r.tokens[10:20].tobytes() for r in reqs]
+    counts = sorted((docs.count(d) for d in set(docs)), reverse=True)
+    assert len(counts) <= 5 and counts[0] > counts[-1]
+
+
+def test_bad_parameters_name_the_argument():
+    with pytest.raises(ValueError, match="n_sessions"):
+        wl.chat_sessions(0)
+    with pytest.raises(ValueError, match="branch_prob"):
+        wl.agent_loops(2, branch_prob=1.5)
+    with pytest.raises(ValueError, match="rate_per_s"):
+        wl.document_qa(5, rate_per_s=0.0)
+    with pytest.raises(ValueError, match="system_len"):
+        wl.mooncake_conversation_like(0, system_len=100, block_size=512)
+    with pytest.raises(ValueError, match="Request.tokens"):
+        Request(0, 0, np.zeros((2, 2), np.int32), 1, 0)
+    with pytest.raises(ValueError, match="TraceRecord.output_length"):
+        TraceRecord(0, 1, -1, (0,))
+
+
+# ----------------------------------------------------------------------------- hash ids
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(sorted(SMALL)), seed=st.integers(0, 50), block=st.integers(1, 40))
+def test_hash_ids_equal_iff_prefixes_equal(kind, seed, block):
+    reqs = SMALL[kind](seed)
+    records = wl.to_trace(reqs, block)
+    prefix_of: dict[int, bytes] = {}
+    id_of: dict[bytes, int] = {}
+    for r, rec in zip(reqs, records):
+        assert rec.input_length == r.input_length and rec.n_blocks(block) == len(rec.hash_ids)
+        for j, h in enumerate(rec.hash_ids):
+            prefix = r.tokens[: (j + 1) * block].tobytes()
+            assert prefix_of.setdefault(h, prefix) == prefix  # equal ids -> equal prefixes
+            assert id_of.setdefault(prefix, h) == h  # equal prefixes -> equal ids
+    # ids are 0, 1, 2, ... in order of first appearance
+    firsts = list(dict.fromkeys(h for rec in records for h in rec.hash_ids))
+    assert firsts == list(range(len(firsts)))
+    wl.check_chain(records)
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(sorted(SMALL)), seed=st.integers(0, 50), block=st.integers(1, 64))
+def test_segment_ids_match_token_ids(kind, seed, block):
+    """Records computed from segments (no tokens) equal to_trace of the materialised tokens."""
+    reqs = SMALL[kind](seed)
+    specs = {
+        "chat": lambda: wl._chat_specs(6, seed, mean_turns=4, max_turns=16, system_len=40,
+                                       user_len=20, reply_len=25, session_rate_per_s=0.5,
+                                       think_ms=20_000.0),
+        "agent": lambda: wl._agent_specs(4, seed, tool_prompt_len=70, task_len=15, mean_steps=5,
+                                         action_len=10, tool_output_len=30, branch_prob=0.5,
+                                         n_branches=3, sub_steps=3, task_rate_per_s=0.2,
+                                         step_ms=3_000.0),
+        "document": lambda: wl._document_specs(30, seed, n_documents=4, system_len=20,
+                                               doc_len=120, question_len=8, answer_len=12,
+                                               zipf_a=1.1, followup_prob=0.3, rate_per_s=1.0),
+    }[kind]()
+    # vocab 97 makes accidental token equality across segments possible for tiny blocks,
+    # so compare on a large vocabulary where it is not.
+    big = wl._materialise(specs, seed, 2**31 - 1)
+    assert [r.input_length for r in big] == [r.input_length for r in reqs]
+    assert wl._specs_to_trace(specs, block) == wl.to_trace(big, block)
+
+
+def test_records_to_tokens_roundtrip():
+    records = wl.to_trace(SMALL["agent"](4), 16)
+    reqs = wl.records_to_requests(records, 16, vocab_size=1000)
+    assert wl.to_trace(reqs, 16) == records
+    again = wl.records_to_requests(records, 16, vocab_size=1000)
+    assert same_requests(reqs, again)
+
+
+def test_to_trace_rejects_unsorted_requests():
+    reqs = SMALL["chat"](0)
+    with pytest.raises(ValueError, match="arrival_ms"):
+        wl.to_trace([reqs[-1], reqs[0]], 16)
+
+
+# ----------------------------------------------------------------------------- file format
+
+
+def test_write_load_roundtrip(tmp_path):
+    records = wl.to_trace(SMALL["document"](1), 32)
+    path = wl.write_trace(tmp_path / "t.jsonl", records)
+    assert wl.load_trace(path, 32, chained=True) == records
+    first = json.loads(path.read_text().splitlines()[0])
+    assert list(first) == ["timestamp", "input_length", "output_length", "hash_ids"]
+
+
+def _valid_lines(n: int = 6) -> list[str]:
+    records = wl.to_trace(SMALL["chat"](2), 16)[:n]
+    return [r.to_json() for r in records]
+
+
+CORRUPTIONS = {
+    "json": (None, lambda d, line: line[:-3]),
+    "missing_timestamp": ("timestamp", lambda d, line: json.dumps({k: v for k, v in d.items() if k != "timestamp"})),
+    "missing_hash_ids": ("hash_ids", lambda d, line: json.dumps({k: v for k, v in d.items() if k != "hash_ids"})),
+    "negative_input": ("input_length", lambda d, line: json.dumps({**d, "input_length": -5})),
+    "float_output": ("output_length", lambda d, line: json.dumps({**d, "output_length": 3.5})),
+    "string_timestamp": ("timestamp", lambda d, line: json.dumps({**d, "timestamp": "7"})),
+    "bool_output": ("output_length", lambda d, line: json.dumps({**d, "output_length": True})),
+    "short_hash_ids": ("hash_ids", lambda d, line: json.dumps({**d, "hash_ids": d["hash_ids"][:-1]})),
+    "long_hash_ids": ("hash_ids", lambda d, line: json.dumps({**d, "hash_ids": d["hash_ids"] + [1]})),
+    "negative_id": ("hash_ids", lambda d, line: json.dumps({**d, "hash_ids": [-1] + d["hash_ids"][1:]})),
+    "hash_ids_not_list": ("hash_ids", lambda d, line: json.dumps({**d, "hash_ids": 3})),
+    "not_object": (None, lambda d, line: json.dumps([1, 2, 3])),
+    "empty": (None, lambda d, line: "   "),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(sorted(CORRUPTIONS)), where=st.integers(0, 5))
+def test_loader_names_line_and_field(tmp_path_factory, kind, where):
+    lines = _valid_lines()
+    field, corrupt = CORRUPTIONS[kind]
+    lines[where] = corrupt(json.loads(lines[where]), lines[where])
+    path = tmp_path_factory.mktemp("bad") / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as err:
+        wl.load_trace(path, 16)
+    message = str(err.value)
+    assert message.startswith(f"line {where + 1}:")
+    if field is not None:
+        assert f"'{field}'" in message
+
+
+def test_loader_checks_timestamp_order(tmp_path):
+    lines = _valid_lines()
+    late = json.loads(lines[1])
+    late["timestamp"] = json.loads(lines[2])["timestamp"] + 1000
+    lines[1] = json.dumps(late)
+    path = tmp_path / "order.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"^line 3: field 'timestamp'"):
+        wl.load_trace(path, 16)
+    assert len(wl.load_trace(path, 16, require_sorted=False)) == len(lines)
+
+
+def test_check_chain_detects_reparented_id(tmp_path):
+    records = [TraceRecord(0, 20, 1, (0, 1)), TraceRecord(1, 20, 1, (2, 1))]
+    path = wl.write_trace(tmp_path / "c.jsonl", records)
+    assert len(wl.load_trace(path, 10)) == 2
+    with pytest.raises(ValueError, match=r"line 2: field 'hash_ids'\[1\]"):
+        wl.load_trace(path, 10, chained=True)
+
+
+# ----------------------------------------------------------------------------- committed data
+
+
+def test_conversation_like_matches_published_statistics():
+    records = wl.mooncake_conversation_like(0)
+    s = wl.trace_stats(records)
+    assert 11_000 <= s["requests"] <= 13_000
+    assert 3_400 <= s["duration_s"] <= 3_600
+    assert 11_000 <= s["input_mean"] <= 13_000
+    assert 6_000 <= s["input_p50"] <= 8_000
+    assert 75_000 <= s["input_p99"] <= 95_000
+    assert 300 <= s["output_mean"] <= 380
+    assert s["share_first_block"] == 1.0
+    assert len({r.hash_ids[0] for r in records}) == 1
+    assert 0.3 <= s["reuse_upper_bound"] <= 0.9  # multi-turn reuse exists; not forced
+
+
+def test_regenerate_is_byte_identical(tmp_path):
+    written = wl.regenerate(tmp_path)
+    assert sorted(p.name for p in written) == sorted(wl.DATASETS)
+    for path in written:
+        committed = DATA / path.name
+        assert committed.exists(), f"{committed} missing: run python -m kimilab.workloads regenerate data/"
+        assert path.read_bytes() == committed.read_bytes(), f"{path.name} differs from data/"
+
+
+def test_committed_traces_load_and_readme_lists_them():
+    readme = (DATA / "README.md").read_text()
+    for name in wl.DATASETS:
+        records = wl.load_trace(DATA / name, 512, chained=True)
+        assert name in readme and f"{len(records):,}" in readme
+
+
+@pytest.mark.parametrize("kind,n,params", [
+    ("chat", 6, dict(system_len=40, user_len=20, reply_len=25, mean_turns=4)),
+    ("agent", 4, dict(tool_prompt_len=70, task_len=15, mean_steps=5, branch_prob=0.5)),
+    ("document", 30, dict(n_documents=4, doc_len=120)),
+])
+def test_generate_trace_equals_token_path(kind, n, params):
+    generator = {"chat": wl.chat_sessions, "agent": wl.agent_loops, "document": wl.document_qa}[kind]
+    tokens = generator(n, seed=7, vocab_size=2**31 - 1, **params)
+    assert wl.generate_trace(kind, n, seed=7, block_size=32, **params) == wl.to_trace(tokens, 32)
+    with pytest.raises(ValueError, match="kind"):
+        wl.generate_trace("chatty", n)
+    with pytest.raises(ValueError, match="vocab_size"):
+        wl.generate_trace(kind, n, vocab_size=10)
