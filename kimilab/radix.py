@@ -1,0 +1,518 @@
+"""A radix tree over page-sized token blocks: the prefix cache of an attention model.
+
+Each node is one block of at most ``block_size`` tokens and owns the pool pages
+that hold that block's KV. A node's key names the block *given its parent*, so a
+path from the root names a whole prefix. Two kinds of key work:
+
+* Mooncake hash ids (``keys=hash_ids``): an id already stands for its whole
+  prefix, so it is unique among siblings by construction;
+* token blocks (``tokens=...``): the key is the block's token bytes, and the
+  node remembers its tokens so matching can go token-exact inside a block
+  (``partial_blocks=True``, what a per-token radix tree such as SGLang's allows).
+
+Nodes used by running requests are pinned by a reference count; eviction frees
+unpinned leaves only (a parent's prefix is needed by its children), oldest first.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Node",
+    "Match",
+    "RadixTree",
+    "ReplayStats",
+    "block_token_counts",
+    "replay_trace",
+]
+
+
+class Node:
+    """One cached block. ``end`` = prefix length (tokens) up to and including it."""
+
+    __slots__ = (
+        "key",
+        "parent",
+        "children",
+        "n_tokens",
+        "end",
+        "alloc",
+        "refcount",
+        "last_access",
+        "priority",
+        "heap_serial",
+        "tokens",
+        "alive",
+        "payload",
+        "block_data",
+        "node_id",
+    )
+
+    def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
+        self.key = key
+        self.parent = parent
+        self.children: dict = {}
+        self.n_tokens = n_tokens
+        self.end = end
+        self.alloc = alloc
+        self.refcount = 0
+        self.last_access = 0
+        self.priority = 0.0
+        self.heap_serial = -1
+        self.tokens = tokens
+        self.alive = True
+        self.payload = None  # free slot for higher layers (a state checkpoint)
+        self.block_data = None  # free slot for the block's contents (KV arrays), if kept
+        self.node_id = node_id
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"Node(id={self.node_id}, end={self.end}, n_tokens={self.n_tokens}, ref={self.refcount})"
+
+
+@dataclass
+class Match:
+    """Result of looking a prompt up. ``nodes`` are whole cached blocks on the path.
+
+    ``partial_tokens`` counts tokens matched token-exactly inside a sibling's
+    block beyond the last whole node (only with ``partial_blocks`` and tokens).
+    """
+
+    nodes: list
+    partial_tokens: int = 0
+
+    @property
+    def block_tokens(self) -> int:
+        return self.nodes[-1].end if self.nodes else 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.block_tokens + self.partial_tokens
+
+
+def block_token_counts(n_tokens: int, n_blocks: int, block_size: int) -> list[int]:
+    """Tokens in each block of an ``n_tokens`` prompt split into ``n_blocks`` blocks.
+
+    All blocks are full except possibly the last; raises if the counts disagree.
+    """
+    if n_tokens < 0:
+        raise ValueError(f"n_tokens={n_tokens}: expected >= 0")
+    expected = -(-n_tokens // block_size)
+    if n_blocks != expected:
+        raise ValueError(
+            f"keys: got {n_blocks} block keys for n_tokens={n_tokens} with "
+            f"block_size={block_size}; expected ceil(n_tokens / block_size) = {expected}"
+        )
+    if n_blocks == 0:
+        return []
+    counts = [block_size] * n_blocks
+    counts[-1] = n_tokens - block_size * (n_blocks - 1)
+    return counts
+
+
+def _token_blocks(tokens, block_size: int) -> tuple[list, list[int], list]:
+    arr = np.ascontiguousarray(np.asarray(tokens), dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    blocks = [arr[i : i + block_size] for i in range(0, len(arr), block_size)]
+    keys = [b.tobytes() for b in blocks]
+    return keys, [len(b) for b in blocks], blocks
+
+
+class RadixTree:
+    """Block radix tree with refcount pinning and leaf-first LRU eviction.
+
+    ``pool`` is a :class:`kimilab.pool.PagePool`; each node takes
+    ``pages_per_block`` pages of kind ``kind``. ``partial_blocks=False`` caches and
+    matches whole blocks only (vLLM); ``True`` also caches a prompt's trailing
+    partial block and, when tokens are known, matches token-exactly inside a block.
+    ``reclaim`` (optional) replaces the default LRU reclaimer: it receives the
+    number of free pages wanted and returns whether it got them.
+    ``on_evict(node)`` runs before an evicted node's pages go back to the pool.
+    """
+
+    def __init__(
+        self,
+        pool,
+        block_size: int,
+        *,
+        pages_per_block: int = 1,
+        partial_blocks: bool = False,
+        kind: str = "kv",
+        on_evict: Callable[[Node], None] | None = None,
+        reclaim: Callable[[int], bool] | None = None,
+    ):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size={block_size!r}: expected a positive int (tokens per block)")
+        if not isinstance(pages_per_block, int) or pages_per_block <= 0:
+            raise ValueError(f"pages_per_block={pages_per_block!r}: expected a positive int")
+        self.pool = pool
+        self.block_size = block_size
+        self.pages_per_block = pages_per_block
+        self.partial_blocks = bool(partial_blocks)
+        self.kind = kind
+        self.on_evict = on_evict
+        self.reclaim = reclaim if reclaim is not None else self.evict
+        self.root = Node(None, None, 0, 0, None, 0)
+        self.root.refcount = 1  # the root is never evicted
+        self.clock = 0
+        self._next_id = 1
+        self._serial = 0
+        self._leaf_heap: list = []
+        self.n_nodes = 0
+        self.n_evicted = 0
+        self._collecting = False
+        self._spares: dict = {}
+        self._spare_pages = 0
+        self._own_key = (kind, pages_per_block, pages_per_block * pool.page_bytes)
+
+    # ----- keys ------------------------------------------------------------
+    def _split(self, keys, n_tokens, tokens):
+        """(keys, per-block token counts, per-block token arrays or None)."""
+        if tokens is not None:
+            tkeys, counts, blocks = _token_blocks(tokens, self.block_size)
+            if n_tokens is not None and n_tokens != len(tokens):
+                raise ValueError(f"n_tokens={n_tokens}: expected len(tokens) = {len(tokens)}")
+            if keys is not None:
+                keys = list(keys)
+                block_token_counts(len(tokens), len(keys), self.block_size)
+            else:
+                keys = tkeys
+        else:
+            if keys is None or n_tokens is None:
+                raise ValueError("give either tokens=..., or keys=... together with n_tokens=...")
+            keys = list(keys)
+            counts = block_token_counts(int(n_tokens), len(keys), self.block_size)
+            blocks = None
+        if not self.partial_blocks and counts and counts[-1] < self.block_size:
+            keys, counts = keys[:-1], counts[:-1]
+            blocks = blocks[:-1] if blocks is not None else None
+        return keys, counts, blocks
+
+    # ----- lookup ----------------------------------------------------------
+    def match(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
+        """Longest cached prefix of a prompt. No side effects (no touch, no pin)."""
+        keys, counts, blocks = self._split(keys, n_tokens, tokens)
+        return self._match(keys, counts, blocks)
+
+    def _match(self, keys, counts, blocks) -> Match:
+        node = self.root
+        path = []
+        j = 0
+        for j, key in enumerate(keys):
+            child = node.children.get(key)
+            if child is None or child.n_tokens != counts[j]:
+                break
+            path.append(child)
+            node = child
+        else:
+            return Match(path, 0)
+        partial = 0
+        if self.partial_blocks and blocks is not None and node.children:
+            want = blocks[j]
+            for child in node.children.values():
+                if child.tokens is None:
+                    continue
+                n = min(len(want), len(child.tokens))
+                diff = np.flatnonzero(want[:n] != child.tokens[:n])
+                common = int(diff[0]) if diff.size else n
+                if common > partial:
+                    partial = common
+        return Match(path, partial)
+
+    # ----- pinning and recency ---------------------------------------------
+    def tick(self) -> int:
+        """Advance the logical clock (one per request) and return it."""
+        self.clock += 1
+        return self.clock
+
+    def touch(self, nodes: Iterable[Node]) -> None:
+        """Mark nodes as used now; an evictable one is re-queued at its new rank."""
+        now = self.now()
+        for node in nodes:
+            node.last_access = now
+            if node.refcount == 0 and not node.children:
+                self._push_leaf(node)
+
+    def now(self) -> float:
+        """The time stamped on a touched node: the request clock (LRU).
+
+        Higher layers may replace this (an instance attribute) with their own clock.
+        """
+        return float(self.clock)
+
+    def priority_of(self, node: Node) -> float:
+        """Eviction rank of a node (lower goes first), computed when it is queued: last use.
+
+        Higher layers may replace this (an instance attribute) to weigh other things.
+        """
+        return node.last_access
+
+    def requeue(self, node: Node) -> None:
+        """Re-rank a node after something :meth:`priority_of` reads has changed."""
+        if node.refcount == 0 and not node.children and node.alive:
+            self._push_leaf(node)
+
+    def pin(self, nodes: Iterable[Node]) -> None:
+        """Reference the nodes: pinned nodes are never evicted."""
+        for node in nodes:
+            if not node.alive:
+                raise ValueError(f"pin: {node!r} was evicted; match again before pinning")
+            node.refcount += 1
+
+    def unpin(self, nodes: Iterable[Node]) -> None:
+        """Drop one reference from each node; unreferenced leaves become evictable."""
+        for node in nodes:
+            if node.refcount <= 0:
+                raise ValueError(f"unpin: {node!r} is not pinned")
+            node.refcount -= 1
+            if node.refcount == 0 and not node.children:
+                self._push_leaf(node)
+
+    def _push_leaf(self, node: Node) -> None:
+        self._serial += 1
+        node.heap_serial = self._serial
+        node.priority = priority = self.priority_of(node)
+        heapq.heappush(self._leaf_heap, (priority, self._serial, node))
+        if len(self._leaf_heap) > 64 + 4 * self.n_nodes:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        self._leaf_heap = [e for e in self._leaf_heap if self._valid(e)]
+        heapq.heapify(self._leaf_heap)
+
+    @staticmethod
+    def _valid(entry) -> bool:
+        _, serial, node = entry
+        return node.alive and node.heap_serial == serial and node.refcount == 0 and not node.children
+
+    def peek_evictable(self) -> Node | None:
+        """The next leaf eviction would take, or None if every leaf is pinned."""
+        heap = self._leaf_heap
+        while heap:
+            if self._valid(heap[0]):
+                return heap[0][2]
+            heapq.heappop(heap)
+        return None
+
+    # ----- insertion -------------------------------------------------------
+    def insert(self, keys=None, n_tokens=None, *, tokens=None, pin: bool = False):
+        """Cache a prompt's blocks. Returns ``(match, path, complete)``.
+
+        ``match`` is what was already cached, ``path`` every node of the prompt now
+        in the tree (matched + new), ``complete`` False if memory ran out (all
+        other leaves pinned) before every block fit. With ``pin=True`` the caller
+        owns one reference on every node of ``path`` and must :meth:`unpin` it.
+        """
+        keys, counts, blocks = self._split(keys, n_tokens, tokens)
+        m = self._match(keys, counts, blocks)
+        path = list(m.nodes)
+        self.pin(path)
+        node = path[-1] if path else self.root
+        first = len(path)
+        if first < len(keys) and keys[first] in node.children:
+            # same key but a different token count: a malformed trace
+            raise ValueError(
+                f"keys[{first}]={keys[first]!r}: already cached with "
+                f"{node.children[keys[first]].n_tokens} tokens, now {counts[first]}"
+            )
+        allocs = self.allocate_many(self.kind, self.pages_per_block, len(keys) - first)
+        complete = len(allocs) == len(keys) - first
+        for j, alloc in zip(range(first, len(keys)), allocs):
+            child = self._add_child(node, keys[j], counts[j], alloc, blocks[j] if blocks is not None else None)
+            child.refcount = 1
+            path.append(child)
+            node = child
+        self.touch(path)
+        if not pin:
+            self.unpin(path)
+        return m, path, complete
+
+    def _add_child(self, parent: Node, key, n_tokens: int, alloc, tokens) -> Node:
+        child = Node(key, parent, n_tokens, parent.end + n_tokens, alloc, self._next_id,
+                     None if tokens is None else np.array(tokens))
+        self._next_id += 1
+        parent.children[key] = child
+        self.n_nodes += 1
+        return child
+
+    def allocate(self, kind: str, n_pages: int, nbytes: int | None = None):
+        """One allocation from the pool, reclaiming cache space if needed; None if impossible."""
+        got = self.allocate_many(kind, n_pages, 1, nbytes)
+        return got[0] if got else None
+
+    def allocate_many(self, kind: str, n_pages: int, count: int, nbytes: int | None = None) -> list:
+        """Up to ``count`` allocations of ``n_pages`` pages, reclaiming once for all of them.
+
+        While reclaiming, evicted allocations are parked instead of freed; those of
+        the same kind and size are handed straight to the caller (the pages change
+        owner without a pool round trip), the rest go back to the pool. Returns
+        fewer than ``count`` only if everything else evictable is gone.
+        """
+        pool = self.pool
+        if count <= 0:
+            return []
+        need = n_pages * count
+        if pool.n_free >= need:
+            return [pool.allocate(kind, n_pages, nbytes=nbytes) for _ in range(count)]
+        self._collecting = True
+        try:
+            self.reclaim(need)
+        finally:
+            self._collecting = False
+        spares = self._spares
+        parked = spares.pop((kind, n_pages, n_pages * pool.page_bytes if nbytes is None else nbytes), [])
+        for others in spares.values():
+            for a in others:
+                pool.free(a)
+        spares.clear()
+        self._spare_pages = 0
+        out = parked[:count]
+        for a in parked[count:]:
+            pool.free(a)
+        while len(out) < count and pool.n_free >= n_pages:
+            out.append(pool.allocate(kind, n_pages, nbytes=nbytes))
+        return out
+
+    @property
+    def n_available(self) -> int:
+        """Free pool pages plus pages reclaimed during the current allocation."""
+        return self.pool.n_free + self._spare_pages
+
+    def release(self, alloc, key=None) -> None:
+        """Give an evicted allocation back (parked while reclaiming, else to the pool).
+
+        ``key`` = (kind, n_pages, nbytes) of ``alloc`` if the caller knows it (saves lookups).
+        """
+        if self._collecting:
+            if key is None:
+                key = (alloc.kind, alloc.n_pages, alloc.nbytes)
+            self._spares.setdefault(key, []).append(alloc)
+            self._spare_pages += key[1]
+        else:
+            self.pool.free(alloc)
+
+    # ----- eviction ---------------------------------------------------------
+    def evict_node(self, node: Node) -> int:
+        """Remove one unpinned leaf; returns the pages it freed (its own)."""
+        if node.children or node.refcount or not node.alive or node is self.root:
+            raise ValueError(f"evict_node: {node!r} is not an unpinned leaf")
+        if self.on_evict is not None:
+            self.on_evict(node)
+        parent = node.parent
+        del parent.children[node.key]
+        node.alive = False
+        self.release(node.alloc, self._own_key)
+        node.alloc = None
+        self.n_nodes -= 1
+        self.n_evicted += 1
+        if parent is not self.root and parent.refcount == 0 and not parent.children:
+            self._push_leaf(parent)
+        return self.pages_per_block
+
+    def evict(self, n_pages: int) -> bool:
+        """Evict unpinned leaves, lowest priority (oldest) first, until ``n_pages`` are free."""
+        pool = self.pool
+        while pool.n_free + self._spare_pages < n_pages:
+            node = self.peek_evictable()
+            if node is None:
+                return False
+            self.evict_node(node)
+        return True
+
+    def evict_all(self) -> int:
+        """Evict every unpinned node (leaves first); returns how many went."""
+        count = 0
+        while True:
+            node = self.peek_evictable()
+            if node is None:
+                return count
+            self.evict_node(node)
+            count += 1
+
+    # ----- serving step and accounting ---------------------------------------
+    def serve(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
+        """One request: look up, count the hit, cache the rest. Returns the match."""
+        self.tick()
+        m, _, _ = self.insert(keys, n_tokens, tokens=tokens)
+        return m
+
+    def nodes(self) -> list[Node]:
+        """Every cached node, parents before children (deterministic order)."""
+        out, stack = [], list(reversed(list(self.root.children.values())))
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(reversed(list(node.children.values())))
+        return out
+
+    @property
+    def n_pages(self) -> int:
+        """Pages held by the tree."""
+        return self.n_nodes * self.pages_per_block
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(n.n_tokens for n in self.nodes())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the tree's structure or accounting is inconsistent."""
+        nodes = self.nodes()
+        assert len(nodes) == self.n_nodes, (len(nodes), self.n_nodes)
+        for node in nodes:
+            assert node.alive and node.alloc is not None
+            assert node.parent.children.get(node.key) is node
+            assert node.end == node.parent.end + node.n_tokens
+            assert 0 < node.n_tokens <= self.block_size
+            assert node.refcount >= 0
+            if node.children:
+                assert node.n_tokens == self.block_size, "only a full block can have children"
+
+
+@dataclass
+class ReplayStats:
+    """Token-weighted hit rate of a replay: prompt tokens served from cache / all prompt tokens."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    per_request_hits: list = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def replay_trace(
+    records: Sequence,
+    pool,
+    block_size: int,
+    *,
+    partial_blocks: bool = False,
+    keep_per_request: bool = False,
+) -> tuple[ReplayStats, RadixTree]:
+    """Replay Mooncake records (``timestamp``, ``input_length``, ``hash_ids``) in timestamp order.
+
+    Requests are served one at a time; each pins its own path while its blocks
+    are inserted. Returns the stats and the final tree.
+    """
+    tree = RadixTree(pool, block_size, partial_blocks=partial_blocks)
+    stats = ReplayStats()
+    order = sorted(range(len(records)), key=lambda i: (records[i].timestamp, i))
+    for i in order:
+        rec = records[i]
+        m = tree.serve(rec.hash_ids, rec.input_length)
+        stats.requests += 1
+        stats.prompt_tokens += rec.input_length
+        stats.hit_tokens += m.hit_tokens
+        if keep_per_request:
+            stats.per_request_hits.append(m.hit_tokens)
+    return stats, tree
