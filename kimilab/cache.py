@@ -26,7 +26,7 @@ import numpy as np
 from kimilab.attention import KVCache
 from kimilab.config import ModelConfig
 
-__all__ = ["HybridCache", "StateCheckpoint", "CACHE_KINDS"]
+__all__ = ["HybridCache", "StateCheckpoint", "CACHE_KINDS", "check_runnable_config"]
 
 CACHE_KINDS = ("kv", "kda_state", "conv_state")
 
@@ -43,7 +43,8 @@ def _frozen_copy(a: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def _check_config(config) -> None:
+def check_runnable_config(config) -> None:
+    """Raise ValueError unless ``config`` is a ModelConfig the numpy model can run."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: expected a kimilab.config.ModelConfig, got {type(config).__name__}")
     if config.shapes_only:
@@ -99,7 +100,7 @@ class HybridCache:
     """
 
     def __init__(self, config: ModelConfig) -> None:
-        _check_config(config)
+        check_runnable_config(config)
         self.config = config
         self.dtype = np.dtype(config.dtype)
         self._seq_len = 0

@@ -23,7 +23,7 @@ from typing import Iterable
 import numpy as np
 
 from kimilab import attention, kda
-from kimilab.cache import HybridCache
+from kimilab.cache import HybridCache, check_runnable_config
 from kimilab.config import ModelConfig
 from kimilab.conv import causal_conv1d, causal_conv1d_step
 
@@ -57,16 +57,7 @@ class Model:
     """Seeded random weights for ``config`` and the three ways to run them."""
 
     def __init__(self, config: ModelConfig, seed: int = 0) -> None:
-        if not isinstance(config, ModelConfig):
-            raise ValueError(f"config: expected a kimilab.config.ModelConfig, got {type(config).__name__}")
-        if config.shapes_only:
-            raise ValueError(
-                f"config={config.name!r} is shapes only (shapes_only=True): real-model presets feed "
-                "kimilab.memory, no weights are built for them; use kimilab.config.tiny"
-            )
-        if config.attn_kind == "mla":
-            raise ValueError("config.attn_kind='mla': the runnable model has MHA/GQA global layers; "
-                             "use attn_kind 'mha' or 'gqa'")
+        check_runnable_config(config)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed={seed!r}: expected a non-negative int")
         self.config = config

@@ -359,6 +359,6 @@ class PagedHybridCache:
 
 def _check(config) -> None:
     """The same config rules as the contiguous cache (runnable, non-MLA)."""
-    from kimilab.cache import _check_config
+    from kimilab.cache import check_runnable_config
 
-    _check_config(config)
+    check_runnable_config(config)
