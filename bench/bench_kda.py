@@ -1,4 +1,4 @@
-"""KDA kernels: chunked vs recurrent, achieved GFLOP/s, the triangular inverse, and fla's reference.
+"""KDA kernels: chunked vs recurrent, achieved GFLOP/s, the UT-transform solve, and fla's reference.
 
 Everything is timed side by side in this one process (best of N); on a shared
 machine absolute times are noise, ratios are the result.
@@ -52,57 +52,69 @@ def matmul_gflops() -> float:
     return 2 * 1024**3 / (best_ms(lambda: a @ b, 5) * 1e-3) / 1e9
 
 
-# ----------------------------------------------------------------------------- inverse candidates
+# ----------------------------------------------------------------------------- UT-transform solve candidates
 
 
-def inverse_by_solve(L):
+def solve_by_linalg(L, R):
     eye = np.broadcast_to(np.eye(L.shape[-1], dtype=L.dtype), L.shape)
-    return np.linalg.solve(eye + L, eye)
+    return np.linalg.solve(eye + L, R)
 
 
-def inverse_by_rows(L):
+def solve_by_rows(L, R):
     """Forward substitution, one row at a time, vectorised over the batch."""
-    n = L.shape[-1]
-    X = np.broadcast_to(np.eye(n, dtype=L.dtype), L.shape).copy()
-    for i in range(1, n):
-        X[:, i, :i] = -np.matmul(L[:, i : i + 1, :i], X[:, :i, :i])[:, 0]
+    X = np.empty_like(R)
+    for i in range(L.shape[-1]):
+        X[:, i] = R[:, i] - np.matmul(L[:, i : i + 1, :i], X[:, :i])[:, 0]
     return X
 
 
-def inverse_by_neumann_doubling(L):
-    """(I + L)^-1 = (I - L)(I + L^2)(I + L^4)... ; L is nilpotent so log2(n) factors suffice."""
-    n = L.shape[-1]
-    eye = np.eye(n, dtype=L.dtype)
-    X = eye - L
-    power = np.matmul(L, L)
-    span = 2
-    while span < n:
-        X = X + np.matmul(X, power)
-        span *= 2
-        if span < n:
-            power = np.matmul(power, power)
-    return X
+def solve_by_inverse(L, R):
+    """Form (I + L)^-1 by block doubling (kda.unit_lower_inverse), then one product."""
+    return np.matmul(kda.unit_lower_inverse(L), R)
 
 
-def bench_inverse() -> None:
+def bench_solve() -> None:
+    """X = (I + L)^-1 [beta exp(G) K | beta V] for every chunk and head, as chunk_kda needs it."""
     rng = np.random.default_rng(2)
     F = T // CHUNK * H
     L = np.tril(rng.standard_normal((F, CHUNK, CHUNK)) * 0.05, -1).astype(np.float32)
-    reference = kda.unit_lower_inverse(L)
+    R = rng.standard_normal((F, CHUNK, K + V)).astype(np.float32)
+    reference = solve_by_linalg(L.astype(np.float64), R.astype(np.float64))
     candidates = {
-        "np.linalg.solve": inverse_by_solve,
-        "row forward substitution": inverse_by_rows,
-        "Neumann doubling product": inverse_by_neumann_doubling,
-        "block doubling (kda.unit_lower_inverse)": kda.unit_lower_inverse,
+        "np.linalg.solve": solve_by_linalg,
+        "row forward substitution": solve_by_rows,
+        "block-doubling inverse, then matmul": solve_by_inverse,
+        "block forward substitution (kda._unit_lower_solve)": kda._unit_lower_solve,
     }
     times = {}
     for name, fn in candidates.items():
-        err = float(np.abs(fn(L) - reference).max())
-        times[name] = best_ms(lambda fn=fn: fn(L), 5)
-        print(f"  unit-lower inverse [{F} x {CHUNK} x {CHUNK}] {name}: {times[name]:.2f} ms (max|diff| {err:.1e})")
-    chosen = times["block doubling (kda.unit_lower_inverse)"]
-    print(f"kda_inverse_block_doubling_vs_solve: ratio={times['np.linalg.solve'] / chosen:.1f}x "
-          f"(solve={times['np.linalg.solve']:.2f} ms, block doubling={chosen:.2f} ms)")
+        err = float(np.abs(fn(L, R) - reference).max())
+        times[name] = best_ms(lambda fn=fn: fn(L, R), 5)
+        print(f"  unit-lower solve [{F} x {CHUNK} x {CHUNK}] @ [{CHUNK} x {K + V}] {name}: "
+              f"{times[name]:.2f} ms (max|err| {err:.1e})")
+    chosen = times["block forward substitution (kda._unit_lower_solve)"]
+    print(f"kda_solve_blocked_vs_linalg: ratio={times['np.linalg.solve'] / chosen:.1f}x "
+          f"(np.linalg.solve={times['np.linalg.solve']:.2f} ms, blocked={chosen:.2f} ms)")
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def stage_profile(args, repeat: int = 5) -> str:
+    """Where chunk_kda's time goes: each stage timed on its own with perf_counter (best of 5)."""
+    q, k, v, g, beta = (x[None] for x in args)
+    scale, decaying = K**-0.5, bool(g.max() <= 0)
+    G = kda._chunk_cumsum(g, CHUNK)
+
+    def prepare_all():
+        for c0, c1 in kda._slabs(T // CHUNK, H):
+            kda._prepare_slab(q, k, v, G, beta, c0, c1, CHUNK, scale, decaying, need_output=True)
+
+    cumsum = best_ms(lambda: kda._chunk_cumsum(g, CHUNK), repeat)
+    prepare = best_ms(prepare_all, repeat)
+    total = best_ms(lambda: kda.chunk_kda(*args), repeat)
+    return (f"cumsum {cumsum:.1f} ms, state-independent slabs {prepare:.1f} ms, "
+            f"state pass + output {max(0.0, total - cumsum - prepare):.1f} ms (of {total:.1f} ms)")
 
 
 # ----------------------------------------------------------------------------- fla reference
@@ -157,16 +169,18 @@ def main() -> None:
             rec.append(best_ms(lambda: kda.recurrent_kda(*args), 1))
             chk.append(best_ms(lambda: kda.chunk_kda(*args, chunk_size=CHUNK), 3))
         rec_ms, chunk_ms = min(rec), min(chk)
-        G = np.cumsum(kda._to_chunks(args[3][None], T // CHUNK, CHUNK), axis=2).reshape(-1, CHUNK, K)
-        blocks = kda._block_sizes(G, CHUNK, decaying=True).reshape(H, -1).min(axis=1).tolist()
+        G = kda._chunk_cumsum(args[3][None], CHUNK)
+        blocks = [int(kda._block_sizes(kda._slab(G, c0, c1, CHUNK), CHUNK, decaying=True).min())
+                  for c0, c1 in kda._slabs(T // CHUNK, H)]
         print(f"kda_chunk_vs_recurrent[{gate} gates]: ratio={rec_ms / chunk_ms:.1f}x "
-              f"(recurrent={rec_ms:.1f} ms, chunked={chunk_ms:.1f} ms; in-chunk block size per head {blocks})")
+              f"(recurrent={rec_ms:.1f} ms, chunked={chunk_ms:.1f} ms; in-chunk block size per slab {blocks})")
+        print(f"  chunk_kda stages [{gate}]: {stage_profile(args)}")
         if main_args is None:
             main_args, main_chunk_ms = args, chunk_ms
     achieved = flops / (main_chunk_ms * 1e-3) / 1e9
     print(f"kda_chunk_gflops: {achieved:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of np.matmul "
           f"({peak:.1f} GFLOP/s on 1024^3 float32; {flops / 1e9:.2f} GFLOP counted by kda.chunk_kda_flops)")
-    bench_inverse()
+    bench_solve()
     bench_fla(main_chunk_ms, main_args)
 
 

@@ -242,24 +242,27 @@ show_source(kda.chunk_kda)
 
 # %% [markdown]
 # Two numerical details. First, `exp(G_i - G_j)` above the diagonal (j > i) is a
-# *growth*, not a decay, and overflows for strong gates: exponents are masked to
-# `-inf` **before** `exp`, never after. Second, to use matrix products the pair
-# exponent is split as `exp(G_i - P) exp(P - G_j)` around a block boundary P; the
-# package picks, per head, the largest block inside the chunk for which no factor can
-# overflow (strong gates get smaller blocks, down to the plain masked form):
+# *growth*, not a decay, and overflows for strong gates, so those entries must never
+# be formed as a large number and masked afterwards. Second, to use matrix products
+# the pair exponent is split as `exp(G_i - G_r) exp(G_r - G_j)` around the first row
+# r of a block of rows. Both factors stay within `e^(±spread)`, the spread being the
+# range of G over the block, so the package picks the largest block whose spread is
+# safe (strong gates get smaller blocks, down to one row, which is always safe) and
+# zeroes the bounded upper triangle after the product:
 
 # %%
 show_source(kda._block_sizes)
 
 # %% [markdown]
-# The triangular inverse `(I + L)^-1` of the UT transform is done by block doubling:
-# invert 1 x 1 blocks, then merge neighbours, `[[A, 0], [B, D]]^-1 = [[A^-1, 0],
-# [-D^-1 B A^-1, D^-1]]`, so a 64 x 64 inverse takes 6 rounds of batched products.
-# (`make bench` times it against `np.linalg.solve`, row-by-row forward substitution
-# and a Neumann doubling product.)
+# The UT transform needs `(I + L)^-1` applied to `diag(beta) exp(G) K` and
+# `diag(beta) V`, with `L` strictly lower triangular. Rather than forming the inverse,
+# the package solves for both right-hand sides at once by *block* forward
+# substitution: small diagonal blocks are inverted row by row, and each block row of
+# the solution is one batched product with the rows already solved. `make bench` times
+# it against `np.linalg.solve` on the same stack.
 
 # %%
-show_source(kda.unit_lower_inverse)
+show_source(kda._unit_lower_solve)
 
 # %% [markdown]
 # ### Chunked == recurrent

@@ -169,7 +169,7 @@ def test_float32_follows_dtype_and_stays_close(gate):
 def test_block_size_shrinks_with_strong_gates_and_stays_exact():
     for gate, expect_small in (("zero", False), ("extreme", True)):
         (q, k, v, g, beta), _ = make_inputs(5, 128, 1, 8, 8, gate=gate)
-        G = np.cumsum(kda._to_chunks(g[None], 2, 64), axis=2).reshape(-1, 64, 8)
+        G = np.cumsum(kda._slab(g[None], 0, 2, 64), axis=1)
         s = kda._pick_block(G, 64, decaying=True)
         assert (s < 64) == expect_small
         o_r, _ = kda.recurrent_kda(q, k, v, g, beta)
@@ -186,6 +186,52 @@ def test_unit_lower_inverse(n, seed):
     expected = np.linalg.inv(np.eye(n) + L)
     assert X.shape == (3, n, n)
     assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 20), st.integers(0, 2**16))
+def test_unit_lower_solve_matches_dense_solve(n, m, block, seed):
+    rng = np.random.default_rng(seed)
+    L = np.tril(rng.standard_normal((2, n, n)) * 0.3, -1)
+    R = rng.standard_normal((2, n, m))
+    X = kda._unit_lower_solve(L, R, block)
+    expected = np.linalg.solve(np.eye(n) + L, R)
+    assert X.shape == (2, n, m)
+    assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_chunked_equals_recurrent_with_growing_gates(p):
+    """Some g > 0 (the state may grow): the general block-size rule and flush levels."""
+    (q, k, v, _, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"])
+    g = np.random.default_rng(p["seed"] + 1).uniform(-3.0, 0.3, k.shape)
+    o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
+    scale = max(1.0, float(np.abs(o_r).max(initial=0.0)), float(np.abs(s_r).max(initial=0.0)))
+    assert maxdiff(o_c, o_r) <= 1e-10 * scale
+    assert maxdiff(s_c, s_r) <= 1e-10 * scale
+
+
+@pytest.mark.parametrize("fn", ["chunk_kda", "segment_transition"])
+def test_inputs_are_not_modified(fn):
+    (q, k, v, g, beta), S0 = make_inputs(4, 5, 1, 3, 2)  # one chunk, one head: slabs could be views
+    keep = [x.copy() for x in (q, k, v, g, beta, S0)]
+    if fn == "chunk_kda":
+        kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=5)
+    else:
+        kda.segment_transition(k, v, g, beta, chunk_size=5)
+    assert all(np.array_equal(a, b) for a, b in zip((q, k, v, g, beta, S0), keep))
+
+
+def test_many_slabs_and_mixed_block_sizes():
+    """Several slabs of chunks (see kda._slabs), with strong and weak gates mixed in time."""
+    (q, k, v, g, beta), S0 = make_inputs(8, 700, 2, 8, 4, batch=2)
+    g[:, 300:400] = -np.random.default_rng(0).uniform(0.0, 60.0, g[:, 300:400].shape)
+    assert len(kda._slabs(-(-700 // 8), 4)) > 1
+    o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=8)
+    assert maxdiff(o_c, o_r) <= 1e-10 and maxdiff(s_c, s_r) <= 1e-10
 
 
 # ----------------------------------------------------------------------------- gates
