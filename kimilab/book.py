@@ -53,6 +53,15 @@ def _strip_volatile(nb) -> None:
         if key not in _KEEP_NB_METADATA:
             del nb.metadata[key]
     for cell in nb.cells:
+        if cell.cell_type == "code":  # how stdout got split into chunks depends on timing
+            merged = []
+            for out in cell.outputs:
+                if (out.output_type == "stream" and merged and merged[-1].output_type == "stream"
+                        and merged[-1].name == out.name):
+                    merged[-1].text += out.text
+                else:
+                    merged.append(out)
+            cell.outputs = merged
         cell.metadata.pop("execution", None)
         cell.metadata.pop("ExecuteTime", None)
         cell.pop("id", None)
