@@ -11,10 +11,10 @@ import time
 import numpy as np
 
 from kimilab import config
-from kimilab.cache import HybridCache
+from kimilab.model.cache import HybridCache
 from kimilab.model import Model
-from kimilab.paged import PagedHybridCache
-from kimilab.pool import PagePool
+from kimilab.pool.paged_cache import PagedHybridCache
+from kimilab.pool.pages import PagePool
 
 
 class _ScanPool:

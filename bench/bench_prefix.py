@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from kimilab.config import kimi_linear_48b
-from kimilab.memory import kv_bytes_per_token
-from kimilab.prefix import make_policy, replay
-from kimilab.workloads import load_trace
+from kimilab.costs import kv_bytes_per_token
+from kimilab.prefix.hybrid import make_policy, replay
+from kimilab.traffic.trace import load_trace
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "conversation_like.jsonl"
 BLOCK = 512

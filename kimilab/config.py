@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
+__all__ = ["CACHE_KINDS", "PAGE_KINDS", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
+
+# The kinds of memory, named once for the whole package. A request holds the three
+# CACHE_KINDS; a pool page can also hold a prefix cache's state checkpoint or
+# speculative-decoding scratch.
+CACHE_KINDS = ("kv", "kda_state", "conv_state")
+PAGE_KINDS = CACHE_KINDS + ("checkpoint", "scratch")
 
 _ATTN_KINDS = ("mha", "gqa", "mla")
 _GATES = ("softplus", "lowerbound")

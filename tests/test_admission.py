@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kimilab import config
-from kimilab.admission import SimRequest, mixed_workload, phase_means, simulate
-from kimilab.pool import (CacheShapes, JengaPages, PoolExhausted, RequestAllocator, SplitPools,
+from kimilab.sim.admission import SimRequest, mixed_workload, phase_means, simulate
+from kimilab.pool.pages import (CacheShapes, JengaPages, PoolExhausted, RequestAllocator, SplitPools,
                           UnifiedPages, VllmPaddedPages)
 
 SHAPES = CacheShapes.from_config(config.kimi_linear_48b)

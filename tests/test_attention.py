@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab.attention import (
+from kimilab.ops.attention import (
     KVCache, attention_flops, causal_attention, causal_pairs, decode_flops, decode_step,
     projection_flops, reference_causal_attention,
 )

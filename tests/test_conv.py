@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab.conv import causal_conv1d, causal_conv1d_step
+from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
 
 
 def _naive(x, weight, state):

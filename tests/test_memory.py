@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab import memory as m
-from kimilab.attention import KVCache, attention_flops
+from kimilab import costs as m
+from kimilab.ops.attention import KVCache, attention_flops
 from kimilab.config import all_mla_27, gqa_8b, kimi_linear_48b, tiny
 
 M = 1 << 20  # 1M tokens

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kimilab import kda
-from kimilab.cache import HybridCache, StateCheckpoint
+from kimilab.model.cache import HybridCache, StateCheckpoint
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
 from kimilab.model import CAPTURE_KEYS, Model
 

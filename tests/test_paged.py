@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kimilab import config
-from kimilab.cache import HybridCache
+from kimilab.model.cache import HybridCache
 from kimilab.model import Model
-from kimilab.paged import PagedHybridCache
-from kimilab.pool import PagePool, PoolExhausted
+from kimilab.pool.paged_cache import PagedHybridCache
+from kimilab.pool.pages import PagePool, PoolExhausted
 
 CFG = config.tiny
 ROW = 2 * CFG.attn_kv_heads_eff * CFG.attn_head_dim_eff * 8  # bytes of one token row, one layer

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from kimilab import config, memory
-from kimilab.pool import (
+from kimilab import config, costs as memory
+from kimilab.pool.pages import (
     KINDS, CacheShapes, DoubleFree, ForeignHandle, JengaPages, LcmPagePool, PagePool, PoolExhausted,
     RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages, waste_table,
 )

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab import memory
-from kimilab.cache import HybridCache
+from kimilab import costs as memory
+from kimilab.model.cache import HybridCache
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.model import Model
-from kimilab.pool import PagePool
-from kimilab.prefix import (Align, CacheCosts, Dual, EveryBlock, HybridPrefixCache, KVOnly,
+from kimilab.pool.pages import PagePool
+from kimilab.prefix.hybrid import (Align, CacheCosts, Dual, EveryBlock, HybridPrefixCache, KVOnly,
                             ModelPrefixCache, make_policy, main, replay)
-from kimilab.radix import RadixTree
-from kimilab.workloads import TraceRecord, write_trace
+from kimilab.prefix.radix import RadixTree
+from kimilab.traffic.trace import TraceRecord, write_trace
 
 BS = 4
 CFG = kimi_linear_48b

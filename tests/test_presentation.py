@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimilab import checks, plots
+from kimilab import exercises as checks, plots
 from kimilab.notebook import show_source, source_of
 
 

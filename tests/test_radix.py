@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab.pool import PagePool
-from kimilab.radix import RadixTree, block_token_counts, replay_trace
-from kimilab.workloads import TraceRecord
+from kimilab.pool.pages import PagePool
+from kimilab.prefix.radix import RadixTree, block_token_counts, replay_trace
+from kimilab.traffic.trace import TraceRecord
 
 BS = 4
 

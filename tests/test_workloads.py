@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab import workloads as wl
-from kimilab.workloads import Request, TraceRecord
+from kimilab.traffic import trace as wl
+from kimilab.traffic.trace import Request, TraceRecord
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -22,10 +22,11 @@ from typing import Iterable
 
 import numpy as np
 
-from kimilab import attention, kda
-from kimilab.cache import HybridCache, check_runnable_config
+from kimilab import kda
+from kimilab.ops import attention
+from kimilab.model.cache import HybridCache, check_runnable_config
 from kimilab.config import ModelConfig
-from kimilab.conv import causal_conv1d, causal_conv1d_step
+from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
 
 __all__ = ["Model", "rms_norm", "silu", "CAPTURE_KEYS"]
 

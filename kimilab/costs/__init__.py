@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimilab.attention import causal_pairs
+from kimilab.ops.attention import causal_pairs
 from kimilab.config import ModelConfig
 from kimilab.kda import chunk_kda_flops, recurrent_kda_flops
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kimilab.pool import CacheShapes, PoolExhausted, RequestAllocator
+from kimilab.pool.pages import CacheShapes, PoolExhausted, RequestAllocator
 
 __all__ = ["SimRequest", "SimResult", "mixed_workload", "simulate", "phase_means"]
 

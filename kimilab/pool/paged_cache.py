@@ -26,9 +26,9 @@ from typing import Mapping
 
 import numpy as np
 
-from kimilab.cache import HybridCache, StateCheckpoint
+from kimilab.model.cache import HybridCache, StateCheckpoint
 from kimilab.config import ModelConfig
-from kimilab.pool import PagePool, PoolError, PoolExhausted
+from kimilab.pool.pages import PagePool, PoolError, PoolExhausted
 
 __all__ = ["PagedHybridCache"]
 
@@ -76,8 +76,7 @@ class PagedHybridCache:
         need = len(config.kda_layers) * (pool.pages_for_bytes(self._state_nbytes) +
                                          pool.pages_for_bytes(self._conv_nbytes))
         if need > pool.n_free:
-            raise PoolExhausted("kda_state", need, pool.n_free, pool.n_pages,
-                                pool.stats().pages_by_kind, pool.page_bytes, pool.name)
+            raise PoolExhausted.of(pool, "kda_state", need)
         self._kda = {i: pool.allocate_bytes("kda_state", self._state_nbytes, zero=True)
                      for i in config.kda_layers}
         self._conv = {i: pool.allocate_bytes("conv_state", self._conv_nbytes, zero=True)
@@ -198,8 +197,7 @@ class PagedHybridCache:
         if need_blocks > 0:
             need = need_blocks * self.pages_per_block
             if need > self.pool.n_free:
-                raise PoolExhausted("kv", need, self.pool.n_free, self.pool.n_pages,
-                                    self.pool.stats().pages_by_kind, self.pool.page_bytes, self.pool.name)
+                raise PoolExhausted.of(self.pool, "kv", need)
             new = [self.pool.allocate("kv", self.pages_per_block) for _ in range(need_blocks)]
             self._blocks[i].extend(new)
             self._page_table[i] = np.concatenate([self._page_table[i]] + [a.pages for a in new])
@@ -285,8 +283,7 @@ class PagedHybridCache:
         self._live()
         need = self.n_pages
         if need > self.pool.n_free:
-            raise PoolExhausted("kv", need, self.pool.n_free, self.pool.n_pages,
-                                self.pool.stats().pages_by_kind, self.pool.page_bytes, self.pool.name)
+            raise PoolExhausted.of(self.pool, "kv", need)
         out = PagedHybridCache(self.config, self.pool, block_tokens=self.block_tokens)
         arena = self.pool.arena()
         for i in self._kda:
@@ -359,6 +356,6 @@ class PagedHybridCache:
 
 def _check(config) -> None:
     """The same config rules as the contiguous cache (runnable, non-MLA)."""
-    from kimilab.cache import check_runnable_config
+    from kimilab.model.cache import check_runnable_config
 
     check_runnable_config(config)

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from kimilab.attention import KVCache
+from kimilab.ops.attention import KVCache
 from kimilab.config import ModelConfig
 
 __all__ = ["HybridCache", "StateCheckpoint", "CACHE_KINDS", "check_runnable_config"]

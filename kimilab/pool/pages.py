@@ -61,7 +61,11 @@ class PoolError(RuntimeError):
 
 
 class PoolExhausted(PoolError):
-    """Not enough free pages. The pool is left exactly as it was before the call."""
+    """Not enough free pages. The pool is left exactly as it was before the call.
+
+    Build it with :meth:`of`, which reads the pool's own accounting, so every
+    "out of memory" in the book says the same things the same way.
+    """
 
     def __init__(self, kind: str, requested_pages: int, n_free: int, n_pages: int,
                  used_by_kind: dict[str, int], page_bytes: int, pool_name: str = "pool"):
@@ -78,6 +82,16 @@ class PoolExhausted(PoolError):
             f"({requested_pages * page_bytes} B): only {n_free} of {n_pages} pages free "
             f"({n_free * page_bytes} B); pages in use by kind: {used}"
         )
+
+    @classmethod
+    def of(cls, pool: "PagePool", kind: str, requested_pages: int, what: str = "") -> "PoolExhausted":
+        """The error for ``pool`` failing to supply ``requested_pages`` pages of ``kind``.
+
+        ``what`` (e.g. ``"admit 7"``) is added to the pool's name in the message.
+        """
+        name = f"{pool.name} ({what})" if what else pool.name
+        return cls(kind, requested_pages, pool.n_free, pool.n_pages, pool.stats().pages_by_kind,
+                   pool.page_bytes, name)
 
 
 class HandleError(PoolError, ValueError):
@@ -254,10 +268,6 @@ class PagePool:
         """Would ``{kind: n_pages}`` fit right now (all of it together)?"""
         return sum(demand.values()) <= self.n_free
 
-    def _exhausted(self, kind: str, n: int) -> PoolExhausted:
-        return PoolExhausted(kind, n, self.n_free, self.n_pages, self._pages_by_kind,
-                             self.page_bytes, self.name)
-
     def allocate(self, kind: str, n_pages: int, *, nbytes: int | None = None,
                  zero: bool = False) -> Allocation:
         """Take ``n_pages`` pages for ``kind``; ``nbytes`` (default: all of them) is what
@@ -270,7 +280,7 @@ class PagePool:
             raise ValueError(f"nbytes={nbytes}: more than the {n} page(s) asked for hold "
                              f"({capacity} B at page_bytes={self.page_bytes})")
         if n > self.n_free:
-            raise self._exhausted(kind, n)
+            raise PoolExhausted.of(self, kind, n)
         recycled = min(n, self._top)
         top = self._top - recycled
         fresh = n - recycled
@@ -467,8 +477,7 @@ class LcmPagePool:
         nbytes = n * self.small_bytes[kind] if nbytes is None else nbytes
         if not self.fits({kind: n}):
             need = -(-(n - self._spare[kind]) // self.per_large[kind])
-            raise PoolExhausted(kind, need, self.large.n_free, self.large.n_pages,
-                                self.large.stats().pages_by_kind, self.large_bytes, self.name)
+            raise PoolExhausted.of(self.large, kind, need)
         taken: list[tuple[int, int]] = []  # (large block id, small pages taken there)
         held = self._held[kind]
         remaining = n
@@ -867,12 +876,8 @@ class RequestAllocator:
             if d and not self.pools[name].fits(d):
                 kind = max(d, key=d.get)
                 pool = self.pools[name]
-                if isinstance(pool, LcmPagePool):
-                    large = pool.large
-                    raise PoolExhausted(kind, sum(d.values()), large.n_free, large.n_pages,
-                                        large.stats().pages_by_kind, large.page_bytes, f"{pool.name} ({what})")
-                raise PoolExhausted(kind, sum(d.values()), pool.n_free, pool.n_pages,
-                                    pool.stats().pages_by_kind, pool.page_bytes, f"{pool.name} ({what})")
+                pages = pool.large if isinstance(pool, LcmPagePool) else pool
+                raise PoolExhausted.of(pages, kind, sum(d.values()), what)
 
     def _alloc(self, pool_name: str, kind: str, n: int, nbytes: int):
         return self.pools[pool_name].allocate(kind, n, nbytes=nbytes)

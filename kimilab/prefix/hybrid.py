@@ -32,11 +32,11 @@ from typing import Sequence
 
 import numpy as np
 
-from kimilab import memory
-from kimilab.cache import HybridCache
+from kimilab import costs as memory
+from kimilab.model.cache import HybridCache
 from kimilab.config import ModelConfig, preset
-from kimilab.pool import PagePool
-from kimilab.radix import Node, RadixTree
+from kimilab.pool.pages import PagePool
+from kimilab.prefix.radix import Node, RadixTree
 
 __all__ = [
     "CacheCosts",
@@ -782,7 +782,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    from kimilab.workloads import load_trace
+    from kimilab.traffic.trace import load_trace
 
     try:
         config = preset(args.model)

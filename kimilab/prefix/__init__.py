@@ -1,0 +1,1 @@
+"""Prefix caching: a radix tree over blocks, checkpoint policies, the dual-granularity cache."""

@@ -1,0 +1,1 @@
+"""Trace-driven simulation of a serving cache on deterministic simulated time."""

@@ -1,0 +1,1 @@
+"""Traffic: the one Request, seeded generators, Mooncake trace I/O and statistics."""

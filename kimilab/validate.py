@@ -1,0 +1,47 @@
+"""One way to check an argument and say what was wrong with it.
+
+Every public function in kimilab that takes a count, a size or a choice checks it
+here, so every bad call fails the same way: a ``ValueError`` whose message starts
+with the argument's name and its value, then says what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import numpy as np
+
+__all__ = ["check_int", "check_float", "check_choice"]
+
+
+def check_int(name: str, value, minimum: int = 0, *, unit: str = "") -> int:
+    """``value`` as a Python int, or ValueError ``"name=value: expected an int >= minimum"``.
+
+    Booleans are refused (``True`` is not a count); numpy integers are accepted.
+    ``unit`` (e.g. ``"tokens"``) is added to the message.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        what = f"an int >= {minimum}" + (f" ({unit})" if unit else "")
+        raise ValueError(f"{name}={value!r}: expected {what}")
+    return int(value)
+
+
+def check_float(name: str, value, *, minimum: float | None = None, finite: bool = True) -> float:
+    """``value`` as a float (finite, and >= ``minimum`` when given), else ValueError naming it."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    if ok:
+        value = float(value)
+        ok = (not finite or math.isfinite(value)) and (minimum is None or value >= minimum)
+    if not ok:
+        what = "a finite number" if finite else "a number"
+        raise ValueError(f"{name}={value!r}: expected {what}" + (f" >= {minimum}" if minimum is not None else ""))
+    return value
+
+
+def check_choice(name: str, value, choices: Iterable):
+    """``value`` if it is one of ``choices``, else ValueError listing them."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
+    return value
