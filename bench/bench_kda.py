@@ -7,40 +7,16 @@ machine absolute times are noise, ratios are the result.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-import time
 
 import numpy as np
 
 from kimilab import kda
+from kimilab.kda import chunk
+from kimilab.kda.testing import random_inputs
+from kimilab.timing import best_seconds
 
 T, H, K, V, CHUNK = 4096, 4, 64, 64, 64
-
-
-def best_ms(fn, repeat: int) -> float:
-    """Best wall-clock time of ``repeat`` calls, in milliseconds."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
-
-
-def inputs(gate: str, seed: int = 0, dtype=np.float32):
-    """float32 KDA inputs at the benchmark shape. ``gate``: 'kimi-init' or 'logsigmoid'."""
-    rng = np.random.default_rng(seed)
-    q = kda.l2_normalize(rng.standard_normal((T, H, K)))
-    k = kda.l2_normalize(rng.standard_normal((T, H, K)))
-    v = rng.standard_normal((T, H, V))
-    if gate == "kimi-init":  # A = exp(A_log) in [1, 16], softplus(dt_bias) log-uniform in [1e-3, 1e-1]
-        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), H * K))
-        g = kda.kda_gate(0.5 * rng.standard_normal((T, H, K)), np.log(rng.uniform(1, 16, H)), np.log(np.expm1(dt)))
-    else:  # the gate flash-linear-attention's own KDA tests draw
-        g = np.log(kda.sigmoid(rng.standard_normal((T, H, K))))
-    beta = kda.sigmoid(rng.standard_normal((T, H)))
-    return [np.ascontiguousarray(x, dtype=dtype) for x in (q, k, v, g, beta)]
 
 
 def matmul_gflops() -> float:
@@ -49,7 +25,7 @@ def matmul_gflops() -> float:
     a = rng.standard_normal((1024, 1024)).astype(np.float32)
     b = rng.standard_normal((1024, 1024)).astype(np.float32)
     a @ b
-    return 2 * 1024**3 / (best_ms(lambda: a @ b, 5) * 1e-3) / 1e9
+    return 2 * 1024**3 / best_seconds(lambda: a @ b, 5) / 1e9
 
 
 # ----------------------------------------------------------------------------- UT-transform solve candidates
@@ -68,9 +44,53 @@ def solve_by_rows(L, R):
     return X
 
 
+def unit_lower_inverse(L: np.ndarray) -> np.ndarray:
+    """``(I + L)^-1`` for strictly lower-triangular ``L [..., n, n]``, batched.
+
+    Bottom-up block doubling, in place: the inverse of [[A, 0], [B, D]] is
+    [[A^-1, 0], [-D^-1 B A^-1, D^-1]]. Starting from 1x1 diagonal blocks (ones),
+    each level fills the lower-left quarter of every 2b x 2b diagonal block with
+    two batched matmuls, so the whole inverse is ~2 log2(n) numpy calls and
+    ~n^3/3 multiply-adds. n is padded to a power of two with zeros (identity rows),
+    which does not change the top-left n x n block of the inverse.
+    ``chunk_kda`` never forms the inverse: it solves with ``_unit_lower_solve``, which
+    ``bench_solve`` shows is faster. ``tests/test_kda.py`` checks this candidate too.
+    """
+    L = np.asarray(L)
+    if L.ndim < 2 or L.shape[-1] != L.shape[-2]:
+        raise ValueError(f"L: expected [..., n, n], got shape {L.shape}")
+    n = L.shape[-1]
+    lead = L.shape[:-2]
+    m = 1 << max(0, (n - 1).bit_length())
+    F = int(np.prod(lead, dtype=np.int64))
+    if m == n:
+        Lp = np.ascontiguousarray(L).reshape(F, n, n)
+    else:
+        Lp = np.zeros((F, m, m), L.dtype)
+        Lp[:, :n, :n] = L.reshape(F, n, n)
+    X = np.zeros((F, m, m), L.dtype)
+    X.reshape(F, m * m)[:, :: m + 1] = 1
+    b = 1
+    while b < m:
+        w = 2 * b
+
+        def diag_blocks(a, writeable=False):
+            fs, rs, cs = a.strides
+            return np.lib.stride_tricks.as_strided(
+                a, shape=(F, m // w, w, w), strides=(fs, w * (rs + cs), rs, cs), writeable=writeable
+            )
+
+        Xd = diag_blocks(X, writeable=True)
+        lower = np.matmul(diag_blocks(Lp)[:, :, b:, :b], Xd[:, :, :b, :b])
+        np.negative(np.matmul(Xd[:, :, b:, b:], lower), out=lower)
+        Xd[:, :, b:, :b] = lower
+        b = w
+    return X.reshape(lead + (m, m))[..., :n, :n]
+
+
 def solve_by_inverse(L, R):
-    """Form (I + L)^-1 by block doubling (kda.unit_lower_inverse), then one product."""
-    return np.matmul(kda.unit_lower_inverse(L), R)
+    """Form (I + L)^-1 by block doubling (unit_lower_inverse above), then one product."""
+    return np.matmul(unit_lower_inverse(L), R)
 
 
 def bench_solve() -> None:
@@ -84,15 +104,15 @@ def bench_solve() -> None:
         "np.linalg.solve": solve_by_linalg,
         "row forward substitution": solve_by_rows,
         "block-doubling inverse, then matmul": solve_by_inverse,
-        "block forward substitution (kda._unit_lower_solve)": kda._unit_lower_solve,
+        "block forward substitution (kda.chunk._unit_lower_solve)": chunk._unit_lower_solve,
     }
     times = {}
     for name, fn in candidates.items():
         err = float(np.abs(fn(L, R) - reference).max())
-        times[name] = best_ms(lambda fn=fn: fn(L, R), 5)
+        times[name] = 1e3 * best_seconds(lambda fn=fn: fn(L, R), 5)
         print(f"  unit-lower solve [{F} x {CHUNK} x {CHUNK}] @ [{CHUNK} x {K + V}] {name}: "
               f"{times[name]:.2f} ms (max|err| {err:.1e})")
-    chosen = times["block forward substitution (kda._unit_lower_solve)"]
+    chosen = times["block forward substitution (kda.chunk._unit_lower_solve)"]
     print(f"kda_solve_blocked_vs_linalg: ratio={times['np.linalg.solve'] / chosen:.1f}x "
           f"(np.linalg.solve={times['np.linalg.solve']:.2f} ms, blocked={chosen:.2f} ms)")
 
@@ -104,15 +124,15 @@ def stage_profile(args, repeat: int = 5) -> str:
     """Where chunk_kda's time goes: each stage timed on its own with perf_counter (best of 5)."""
     q, k, v, g, beta = (x[None] for x in args)
     scale, decaying = K**-0.5, bool(g.max() <= 0)
-    G = kda._chunk_cumsum(g, CHUNK)
+    G = chunk._chunk_cumsum(g, CHUNK)
 
     def prepare_all():
-        for c0, c1 in kda._slabs(T // CHUNK, H):
-            kda._prepare_slab(q, k, v, G, beta, c0, c1, CHUNK, scale, decaying, need_output=True)
+        for c0, c1 in chunk._slabs(T // CHUNK, H):
+            chunk._prepare_slab(q, k, v, G, beta, c0, c1, CHUNK, scale, decaying, need_output=True)
 
-    cumsum = best_ms(lambda: kda._chunk_cumsum(g, CHUNK), repeat)
-    prepare = best_ms(prepare_all, repeat)
-    total = best_ms(lambda: kda.chunk_kda(*args), repeat)
+    cumsum = 1e3 * best_seconds(lambda: chunk._chunk_cumsum(g, CHUNK), repeat)
+    prepare = 1e3 * best_seconds(prepare_all, repeat)
+    total = 1e3 * best_seconds(lambda: kda.chunk_kda(*args), repeat)
     return (f"cumsum {cumsum:.1f} ms, state-independent slabs {prepare:.1f} ms, "
             f"state pass + output {max(0.0, total - cumsum - prepare):.1f} ms (of {total:.1f} ms)")
 
@@ -147,7 +167,8 @@ def bench_fla(ours_ms: float, args) -> None:
     torch.set_num_threads(2)
     tensors = [torch.from_numpy(x[None]) for x in args]  # fla layout [B, T, H, ...]
     with torch.no_grad():
-        ref_ms = best_ms(lambda: naive.naive_chunk_kda(*tensors, output_final_state=True, chunk_size=CHUNK), 2)
+        ref_ms = 1e3 * best_seconds(
+            lambda: naive.naive_chunk_kda(*tensors, output_final_state=True, chunk_size=CHUNK), 2)
         o_ref, _ = naive.naive_chunk_kda(*tensors, output_final_state=True, chunk_size=CHUNK)
     o, _ = kda.chunk_kda(*args, chunk_size=CHUNK)
     rel = float(np.abs(o - o_ref[0].numpy()).max() / np.abs(o_ref.numpy()).max())
@@ -162,16 +183,16 @@ def main() -> None:
     main_args = None
     main_chunk_ms = None
     for gate in ("kimi-init", "logsigmoid"):
-        args = inputs(gate)
+        args, _ = random_inputs(T, H, K, V, seed=0, gate=gate, dtype=np.float32)
         kda.chunk_kda(*args)  # warm up
         rec, chk = [], []
         for _ in range(3):  # interleave so both see the same machine load
-            rec.append(best_ms(lambda: kda.recurrent_kda(*args), 1))
-            chk.append(best_ms(lambda: kda.chunk_kda(*args, chunk_size=CHUNK), 3))
+            rec.append(1e3 * best_seconds(lambda: kda.recurrent_kda(*args), 1))
+            chk.append(1e3 * best_seconds(lambda: kda.chunk_kda(*args, chunk_size=CHUNK), 3))
         rec_ms, chunk_ms = min(rec), min(chk)
-        G = kda._chunk_cumsum(args[3][None], CHUNK)
-        blocks = [int(kda._block_sizes(kda._slab(G, c0, c1, CHUNK), CHUNK, decaying=True).min())
-                  for c0, c1 in kda._slabs(T // CHUNK, H)]
+        G = chunk._chunk_cumsum(args[3][None], CHUNK)
+        blocks = [int(chunk._block_sizes(chunk._slab(G, c0, c1, CHUNK), CHUNK, decaying=True).min())
+                  for c0, c1 in chunk._slabs(T // CHUNK, H)]
         print(f"kda_chunk_vs_recurrent[{gate} gates]: ratio={rec_ms / chunk_ms:.1f}x "
               f"(recurrent={rec_ms:.1f} ms, chunked={chunk_ms:.1f} ms; in-chunk block size per slab {blocks})")
         print(f"  chunk_kda stages [{gate}]: {stage_profile(args)}")

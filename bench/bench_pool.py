@@ -6,15 +6,13 @@ times depend on the machine.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from kimilab import config
-from kimilab.model.cache import HybridCache
-from kimilab.model import Model
+from kimilab.model import HybridCache, Model
 from kimilab.pool.paged_cache import PagedHybridCache
 from kimilab.pool.pages import PagePool
+from kimilab.timing import best_seconds
 
 
 class _ScanPool:
@@ -35,12 +33,7 @@ class _ScanPool:
 
 
 def _ops_per_second(fn, n_ops: int, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return n_ops / best
+    return n_ops / best_seconds(fn, repeats)
 
 
 def bench_alloc_free(n_pages: int = 1 << 20, pages_per_alloc: int = 1, live: int = 256,
@@ -67,10 +60,8 @@ def bench_alloc_free(n_pages: int = 1 << 20, pages_per_alloc: int = 1, live: int
 
 
 def _decode_seconds(model, cache, tokens) -> float:
-    start = time.perf_counter()
-    for t in tokens:
-        model.decode(int(t), cache)
-    return (time.perf_counter() - start) / len(tokens)
+    """Seconds per decode step over ``tokens`` (one timed pass: decoding changes the cache)."""
+    return best_seconds(lambda: [model.decode(int(t), cache) for t in tokens], repeats=1) / len(tokens)
 
 
 def bench_decode(model, context: int, steps: int = 2, rounds: int = 15) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from kimilab.config import kimi_linear_48b
 from kimilab.costs import kv_bytes_per_token
-from kimilab.prefix.hybrid import make_policy, replay
-from kimilab.traffic.trace import load_trace
+from kimilab.prefix import HybridPrefixCache, make_policy
+from kimilab.sim import simulate
+from kimilab.traffic import load_trace
 
 TRACE = Path(__file__).resolve().parent.parent / "data" / "conversation_like.jsonl"
 BLOCK = 512
@@ -29,10 +30,8 @@ def main() -> None:
     print(f"trace: {len(records)} requests, {n_blocks} blocks, loaded in {load_s:.2f} s")
     for cap in CAPACITIES:
         gb = cap * kv_bytes_per_token(kimi_linear_48b) / 1e9
-        dual = replay(records, make_policy("dual"), config=kimi_linear_48b, block_size=BLOCK,
-                      capacity_tokens=cap)
-        kv = replay(records, make_policy("kv-only"), config=kimi_linear_48b, block_size=BLOCK,
-                    capacity_tokens=cap)
+        dual, kv = (simulate(records, cache=HybridPrefixCache.for_budget(
+            kimi_linear_48b, make_policy(name), block_size=BLOCK, capacity_tokens=cap)) for name in ("dual", "kv-only"))
         print(f"replay_dual_{cap}: {dual.wall_seconds:.2f} s for {dual.requests} requests "
               f"(goal < 5 s; kv-only replay {kv.wall_seconds:.2f} s; "
               f"{dual.requests / dual.wall_seconds:,.0f} requests/s)")

@@ -1,6 +1,6 @@
 """Build the book: execute every chapter in order, store outputs, render HTML.
 
-``python -m kimilab.book`` (what ``make book`` runs):
+``python -m kimilab book`` (what ``make book`` runs; ``python -m kimilab.book`` works too):
 
 1. reads each ``chapters/NN_slug.py`` (the reviewed jupytext source),
 2. executes it in a fresh kernel from the chapters/ folder (any cell error fails

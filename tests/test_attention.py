@@ -1,4 +1,4 @@
-"""Exactness and validation of kimilab.attention."""
+"""Exactness and validation of kimilab.ops.attention."""
 
 import numpy as np
 import pytest
@@ -88,6 +88,61 @@ def test_cache_bytes_and_growth():
         cache.keys[0, 0, 0] = 1.0  # read-only view: append-only
 
 
+@settings(max_examples=40, deadline=None)
+@given(pieces=st.lists(st.integers(0, 9), min_size=1, max_size=4), groups=st.sampled_from([(1, 1), (4, 2), (3, 3)]),
+       same_rows=st.booleans(), data=st.data(), seed=st.integers(0, 2**16))
+def test_truncate_then_reappend_equals_never_appending(pieces, groups, same_rows, data, seed):
+    """Roll back to n tokens, re-append: the cache (and attention over it) is as if the
+    dropped tokens were never appended, whether the re-appended rows are the dropped
+    ones or others (a rejected speculative draft)."""
+    H, Hkv = groups
+    rng = np.random.default_rng(seed)
+    total = sum(pieces)
+    n = data.draw(st.integers(0, total), label="n")
+    extra = data.draw(st.integers(0, 6), label="extra")
+    q, k, v = _qkv(rng, n + extra, H, Hkv, 4, 3)
+    _, k_drop, v_drop = _qkv(rng, total, H, Hkv, 4, 3)
+    k_drop[:n], v_drop[:n] = k[:n], v[:n]  # the kept prefix is shared
+    if same_rows:
+        k_drop[n:n + extra], v_drop[n:n + extra] = k[n:total], v[n:total]
+    cache = KVCache(Hkv, 4, 3, capacity=1)
+    start = 0
+    for size in pieces:  # several appends, so regrowth happens along the way
+        cache.append(k_drop[start:start + size], v_drop[start:start + size])
+        start += size
+    assert cache.truncate(n) == n
+    never = KVCache(Hkv, 4, 3, capacity=1)
+    never.append(k[:n], v[:n])
+    for c in (cache, never):
+        assert c.length == n
+    assert cache.nbytes == never.nbytes == n * cache.bytes_per_token
+    np.testing.assert_array_equal(cache.keys, never.keys)
+    np.testing.assert_array_equal(cache.values, never.values)
+    for t in range(n, n + extra):  # decode the re-appended tokens on both caches
+        rows = slice(t, t + 1)
+        o_rolled = decode_step(q[rows], k[rows], v[rows], cache)
+        o_never = decode_step(q[rows], k[rows], v[rows], never)
+        np.testing.assert_array_equal(o_rolled, o_never)
+    assert cache.length == never.length == n + extra and cache.nbytes == never.nbytes
+    np.testing.assert_array_equal(cache.keys, k)
+    np.testing.assert_array_equal(cache.values, v)
+
+
+def test_truncate_edges_and_errors():
+    cache = KVCache(2, 4)
+    cache.append(np.ones((3, 2, 4)), np.ones((3, 2, 4)))
+    assert cache.truncate(3) == 3 and cache.length == 3  # n == length: nothing dropped
+    assert cache.truncate(0) == 0 and cache.nbytes == 0 and cache.keys.shape == (0, 2, 4)
+    for bad in (-1, 1, 2.0, True, "1"):
+        with pytest.raises(ValueError, match=r"n=.*: expected an int with 0 <= n <= length=0"):
+            cache.truncate(bad)
+    cache.append(np.ones((2, 2, 4)), np.ones((2, 2, 4)))
+    with pytest.raises(ValueError, match=r"n=3: expected an int with 0 <= n <= length=2"):
+        cache.truncate(3)
+    assert cache.length == 2  # a refused truncate changes nothing
+    assert cache.truncate(np.int64(1)) == 1
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v: (q[0], k, v), r"q: expected layout \[T, H, D\]"),
     (lambda q, k, v: (q, k[:, :, :3], v), r"k: expected key dim D=8"),
@@ -118,7 +173,7 @@ def test_cache_errors_name_the_argument():
         cache.append(k.astype(np.float32), v.astype(np.float32))
     with pytest.raises(ValueError, match=r"k: expected layout"):
         cache.append(k[0], v)
-    with pytest.raises(ValueError, match="n_kv_heads"):
+    with pytest.raises(ValueError, match=r"n_kv_heads=0: expected an int >= 1"):
         KVCache(0, 8)
     with pytest.raises(ValueError, match="dtype"):
         KVCache(2, 8, dtype="int32")
@@ -141,7 +196,9 @@ def test_flop_counters():
     uncached = [decode_flops(L, n_heads=4, head_dim=32, d_model=128, cached=False) for L in (10, 20, 40)]
     assert all(u > c for u, c in zip(uncached, cached))
     assert decode_flops(1, n_heads=4, head_dim=32, cached=False) == decode_flops(1, n_heads=4, head_dim=32)
-    with pytest.raises(ValueError, match="context_len"):
+    with pytest.raises(ValueError, match=r"context_len=0: expected an int >= 1"):
         decode_flops(0, n_heads=4, head_dim=32)
-    with pytest.raises(ValueError, match="T: expected T <= L"):
+    with pytest.raises(ValueError, match=r"T=5: expected T <= L=4"):
         causal_pairs(5, 4)
+    with pytest.raises(ValueError, match=r"query_block=0: expected an int >= 1"):
+        causal_attention(*_qkv(np.random.default_rng(5), 3, 2, 2, 4, 4), query_block=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,33 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kimilab import kda
+from kimilab.kda import chunk
+from kimilab.kda.testing import GATES, random_inputs
 
 FAST = settings(max_examples=120, deadline=None)
 
 
-def make_inputs(seed, T, H, K, V, *, batch=None, dtype=np.float64, gate="model"):
-    """Random KDA inputs in the reference layout; ``gate`` picks how strong the decay is."""
-    rng = np.random.default_rng(seed)
-    lead = (T, H) if batch is None else (batch, T, H)
-    q = kda.l2_normalize(rng.standard_normal(lead + (K,)))
-    k = kda.l2_normalize(rng.standard_normal(lead + (K,)))
-    v = rng.standard_normal(lead + (V,))
-    if gate == "model":  # Kimi-style init: A in [1, 16], softplus(dt_bias) in [1e-3, 1e-1]
-        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), H * K))
-        g = kda.kda_gate(0.5 * rng.standard_normal(lead + (K,)), np.log(rng.uniform(1, 16, H)), np.log(np.expm1(dt)))
-    elif gate == "logsigmoid":  # what the fla tests use
-        g = np.log(kda.sigmoid(rng.standard_normal(lead + (K,))))
-    elif gate == "extreme":  # forces the smallest in-chunk blocks
-        g = -rng.uniform(0.0, 60.0, lead + (K,))
-    elif gate == "zero":
-        g = np.zeros(lead + (K,))
-    else:
-        raise AssertionError(gate)
-    beta = kda.sigmoid(rng.standard_normal(lead))
-    state_shape = (H, K, V) if batch is None else (batch, H, K, V)
-    S0 = rng.standard_normal(state_shape)
-    cast = lambda x: x.astype(dtype)  # noqa: E731
-    return tuple(map(cast, (q, k, v, g, beta))), cast(S0)
+def drawn_inputs(p, T=None):
+    """``random_inputs`` for a drawn ``shapes`` example (``T`` overridable)."""
+    T = p["T"] if T is None else T
+    return random_inputs(T, p["H"], p["K"], p["V"], seed=p["seed"], gate=p["gate"], batch=p["batch"])
 
 
 shapes = st.fixed_dictionaries(
@@ -49,7 +34,7 @@ shapes = st.fixed_dictionaries(
         "chunk": st.integers(1, 40),
         "batch": st.sampled_from([None, 1, 2]),
         "with_state": st.booleans(),
-        "gate": st.sampled_from(["model", "logsigmoid", "extreme", "zero"]),
+        "gate": st.sampled_from(sorted(GATES)),
     }
 )
 
@@ -61,7 +46,7 @@ def maxdiff(a, b):
 @FAST
 @given(shapes)
 def test_chunked_equals_recurrent_float64(p):
-    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    (q, k, v, g, beta), S0 = drawn_inputs(p)
     S0 = S0 if p["with_state"] else None
     o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
     o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
@@ -74,7 +59,7 @@ def test_chunked_equals_recurrent_float64(p):
 @settings(max_examples=60, deadline=None)
 @given(shapes, st.data())
 def test_split_anywhere_and_carry_state(p, data):
-    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    (q, k, v, g, beta), S0 = drawn_inputs(p)
     S0 = S0 if p["with_state"] else None
     o_all, s_all = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
     cut = data.draw(st.integers(0, p["T"]))
@@ -90,7 +75,7 @@ def test_split_anywhere_and_carry_state(p, data):
 @settings(max_examples=60, deadline=None)
 @given(shapes, st.data())
 def test_affine_composition_of_two_segments(p, data):
-    (q, k, v, g, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    (q, k, v, g, beta), S0 = drawn_inputs(p)
     cut = data.draw(st.integers(0, p["T"]))
     t_axis = 0 if p["batch"] is None else 1
     part = lambda lo, hi: [np.take(x, np.arange(lo, hi), axis=t_axis) for x in (k, v, g, beta)]  # noqa: E731
@@ -105,7 +90,7 @@ def test_affine_composition_of_two_segments(p, data):
 
 
 def test_transition_of_whole_equals_composition_and_identity():
-    (q, k, v, g, beta), S0 = make_inputs(3, 100, 2, 6, 5)
+    (q, k, v, g, beta), S0 = random_inputs(100, 2, 6, 5, seed=3)
     M, C = kda.segment_transition(k, v, g, beta, chunk_size=16)
     _, s = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
     assert maxdiff(kda.apply_transition(M, C, S0), s) <= 1e-10
@@ -117,7 +102,7 @@ def test_transition_of_whole_equals_composition_and_identity():
 @settings(max_examples=40, deadline=None)
 @given(shapes)
 def test_step_loop_equals_recurrent(p):
-    (q, k, v, g, beta), S0 = make_inputs(p["seed"], min(p["T"], 30), p["H"], p["K"], p["V"], batch=p["batch"], gate=p["gate"])
+    (q, k, v, g, beta), S0 = drawn_inputs(p, T=min(p["T"], 30))
     o_ref, s_ref = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
     t_axis = 0 if p["batch"] is None else 1
     S = S0.copy()
@@ -135,7 +120,7 @@ def test_step_loop_equals_recurrent(p):
 
 
 def test_step_does_not_modify_state():
-    (q, k, v, g, beta), S0 = make_inputs(1, 1, 2, 4, 3)
+    (q, k, v, g, beta), S0 = random_inputs(1, 2, 4, 3, seed=1)
     keep = S0.copy()
     kda.kda_step(q[0], k[0], v[0], g[0], beta[0], S0)
     assert np.array_equal(S0, keep)
@@ -143,7 +128,7 @@ def test_step_does_not_modify_state():
 
 def test_recurrent_matches_the_definition_for_one_head():
     """The loop written out per head, straight from BOOK.md's three lines."""
-    (q, k, v, g, beta), S0 = make_inputs(7, 9, 1, 3, 2)
+    (q, k, v, g, beta), S0 = random_inputs(9, 1, 3, 2, seed=7)
     S = S0[0].copy()
     outs = []
     for t in range(9):
@@ -155,9 +140,9 @@ def test_recurrent_matches_the_definition_for_one_head():
     assert maxdiff(s[0], S) <= 1e-12
 
 
-@pytest.mark.parametrize("gate", ["model", "logsigmoid", "extreme"])
+@pytest.mark.parametrize("gate", ["kimi-init", "logsigmoid", "extreme"])
 def test_float32_follows_dtype_and_stays_close(gate):
-    (q, k, v, g, beta), S0 = make_inputs(11, 300, 2, 32, 16, dtype=np.float32, gate=gate)
+    (q, k, v, g, beta), S0 = random_inputs(300, 2, 32, 16, seed=11, dtype=np.float32, gate=gate)
     o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
     o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
     assert o_c.dtype == s_c.dtype == np.float32
@@ -168,21 +153,34 @@ def test_float32_follows_dtype_and_stays_close(gate):
 
 def test_block_size_shrinks_with_strong_gates_and_stays_exact():
     for gate, expect_small in (("zero", False), ("extreme", True)):
-        (q, k, v, g, beta), _ = make_inputs(5, 128, 1, 8, 8, gate=gate)
-        G = np.cumsum(kda._slab(g[None], 0, 2, 64), axis=1)
-        s = kda._pick_block(G, 64, decaying=True)
+        (q, k, v, g, beta), _ = random_inputs(128, 1, 8, 8, seed=5, gate=gate)
+        G = np.cumsum(chunk._slab(g[None], 0, 2, 64), axis=1)
+        s = int(chunk._block_sizes(G, 64, decaying=True).min())
         assert (s < 64) == expect_small
         o_r, _ = kda.recurrent_kda(q, k, v, g, beta)
         o_c, _ = kda.chunk_kda(q, k, v, g, beta)
         assert maxdiff(o_c, o_r) <= 1e-10
 
 
+def _load_bench():
+    """bench/bench_kda.py by path (bench/ is not a package), as bench/run.py loads it."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_kda.py"
+    spec = importlib.util.spec_from_file_location("bench_kda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _load_bench()
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 70), st.integers(0, 2**16))
 def test_unit_lower_inverse(n, seed):
+    """The block-doubling inverse the benchmark times against chunk_kda's solve."""
     rng = np.random.default_rng(seed)
     L = np.tril(rng.standard_normal((3, n, n)) * 0.3, -1)
-    X = kda.unit_lower_inverse(L)
+    X = BENCH.unit_lower_inverse(L)
     expected = np.linalg.inv(np.eye(n) + L)
     assert X.shape == (3, n, n)
     assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
@@ -194,7 +192,7 @@ def test_unit_lower_solve_matches_dense_solve(n, m, block, seed):
     rng = np.random.default_rng(seed)
     L = np.tril(rng.standard_normal((2, n, n)) * 0.3, -1)
     R = rng.standard_normal((2, n, m))
-    X = kda._unit_lower_solve(L, R, block)
+    X = chunk._unit_lower_solve(L, R, block)
     expected = np.linalg.solve(np.eye(n) + L, R)
     assert X.shape == (2, n, m)
     assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
@@ -204,7 +202,7 @@ def test_unit_lower_solve_matches_dense_solve(n, m, block, seed):
 @given(shapes)
 def test_chunked_equals_recurrent_with_growing_gates(p):
     """Some g > 0 (the state may grow): the general block-size rule and flush levels."""
-    (q, k, v, _, beta), S0 = make_inputs(p["seed"], p["T"], p["H"], p["K"], p["V"], batch=p["batch"])
+    (q, k, v, _, beta), S0 = drawn_inputs(p)
     g = np.random.default_rng(p["seed"] + 1).uniform(-3.0, 0.3, k.shape)
     o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
     o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
@@ -215,7 +213,7 @@ def test_chunked_equals_recurrent_with_growing_gates(p):
 
 @pytest.mark.parametrize("fn", ["chunk_kda", "segment_transition"])
 def test_inputs_are_not_modified(fn):
-    (q, k, v, g, beta), S0 = make_inputs(4, 5, 1, 3, 2)  # one chunk, one head: slabs could be views
+    (q, k, v, g, beta), S0 = random_inputs(5, 1, 3, 2, seed=4)  # one chunk, one head: slabs could be views
     keep = [x.copy() for x in (q, k, v, g, beta, S0)]
     if fn == "chunk_kda":
         kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=5)
@@ -225,13 +223,31 @@ def test_inputs_are_not_modified(fn):
 
 
 def test_many_slabs_and_mixed_block_sizes():
-    """Several slabs of chunks (see kda._slabs), with strong and weak gates mixed in time."""
-    (q, k, v, g, beta), S0 = make_inputs(8, 700, 2, 8, 4, batch=2)
+    """Several slabs of chunks (see kda.chunk._slabs), with strong and weak gates mixed in time."""
+    (q, k, v, g, beta), S0 = random_inputs(700, 2, 8, 4, seed=8, batch=2)
     g[:, 300:400] = -np.random.default_rng(0).uniform(0.0, 60.0, g[:, 300:400].shape)
-    assert len(kda._slabs(-(-700 // 8), 4)) > 1
+    assert len(chunk._slabs(-(-700 // 8), 4)) > 1
     o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
     o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=8)
     assert maxdiff(o_c, o_r) <= 1e-10 and maxdiff(s_c, s_r) <= 1e-10
+
+
+def test_random_inputs_are_seeded_shaped_and_checked():
+    (q, k, v, g, beta), S0 = random_inputs(5, 2, 3, 4, seed=9, batch=2, dtype=np.float32)
+    assert [x.shape for x in (q, k, v, g, beta, S0)] == [(2, 5, 2, 3)] * 2 + [(2, 5, 2, 4), (2, 5, 2, 3),
+                                                                              (2, 5, 2), (2, 2, 3, 4)]
+    assert all(x.dtype == np.float32 for x in (q, k, v, g, beta, S0))
+    args64, S0_64 = random_inputs(5, 2, 3, 4, seed=9, batch=2)
+    assert all(np.array_equal(a, b.astype(np.float32)) for a, b in zip((q, k, v, g, beta, S0), (*args64, S0_64)))
+    for gate in GATES:
+        (_, _, _, g, beta), _ = random_inputs(30, 2, 4, 3, seed=1, gate=gate)
+        assert np.all(g <= 0) and np.all((beta > 0) & (beta < 1))
+    with pytest.raises(ValueError, match=r"gate='nope': expected one of"):
+        random_inputs(3, 1, 2, 2, seed=0, gate="nope")
+    with pytest.raises(ValueError, match=r"K=0: expected an int >= 1"):
+        random_inputs(3, 1, 0, 2, seed=0)
+    with pytest.raises(ValueError, match=r"dtype=.*: expected float32 or float64"):
+        random_inputs(3, 1, 2, 2, seed=0, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------- gates
@@ -280,7 +296,7 @@ def test_beta_sigmoid_softplus_l2_are_stable():
 
 
 def test_linear_attention_state_adds():
-    (q, k, v, g, beta), _ = make_inputs(2, 20, 2, 4, 3)
+    (q, k, v, g, beta), _ = random_inputs(20, 2, 4, 3, seed=2)
     whole = kda.linear_attention_state(k, v)
     halves = kda.linear_attention_state(k[:7], v[:7]) + kda.linear_attention_state(k[7:], v[7:])
     assert maxdiff(whole, halves) <= 1e-12
@@ -299,7 +315,7 @@ def test_flop_counts_and_state_bytes():
 
 
 def _good(batch=None, dtype=np.float64):
-    (q, k, v, g, beta), S0 = make_inputs(0, 8, 2, 4, 3, batch=batch, dtype=dtype)
+    (q, k, v, g, beta), S0 = random_inputs(8, 2, 4, 3, seed=0, batch=batch, dtype=dtype)
     return dict(q=q, k=k, v=v, g=g, beta=beta), S0
 
 
@@ -335,7 +351,7 @@ def test_bad_dtypes_name_the_argument(fn):
 
 def test_other_bad_arguments():
     args, S0 = _good()
-    with pytest.raises(ValueError, match=r"chunk_size: expected a positive int"):
+    with pytest.raises(ValueError, match=r"chunk_size=0: expected an int >= 1"):
         kda.chunk_kda(**args, chunk_size=0)
     with pytest.raises(ValueError, match=r"scale: expected a finite number"):
         kda.recurrent_kda(**args, scale=float("nan"))

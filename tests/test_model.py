@@ -1,7 +1,8 @@
 """The hybrid model and its cache: every way of running a sequence gives the same numbers.
 
 prefill(whole) == prefill(pieces) == token-by-token decode == forward() from scratch,
-final caches equal, clone / checkpoint / from_checkpoint resume exactly.
+final caches equal, clone / checkpoint / from_checkpoint resume exactly, the public
+layers run a slice of a sequence, and truncate + re-prefill == never going past n.
 """
 
 import numpy as np
@@ -9,9 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kimilab import kda
-from kimilab.model.cache import HybridCache, StateCheckpoint
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
-from kimilab.model import CAPTURE_KEYS, Model
+from kimilab.model import CAPTURE_KEYS, HybridCache, KDACapture, KDALayer, Model, StateCheckpoint, rms_norm
 
 # Small chunks so a few dozen tokens already cross several chunk boundaries.
 TINY64 = tiny.with_(name="tiny-c8", chunk_size=8)
@@ -162,15 +162,48 @@ def test_capture_concatenates_and_replays_the_state():
     assert sorted(whole) == list(tiny.kda_layers)
     for i in tiny.kda_layers:
         cap = whole[i]
-        assert tuple(cap) == CAPTURE_KEYS
-        assert cap["q_in"].shape == (30, H * K) and cap["q"].shape == (30, H, K)
-        assert cap["g"].shape == (30, H, K) and cap["beta"].shape == (30, H)
+        assert isinstance(cap, KDACapture) and len(cap) == 30
+        assert cap.q_in.shape == (30, H * K) and cap.q.shape == (30, H, K)
+        assert cap.g.shape == (30, H, K) and cap.beta.shape == (30, H)
         for name in CAPTURE_KEYS:
-            assert np.max(np.abs(pieces[i][name] - cap[name])) <= 1e-12
-        conv_in = np.concatenate([cap["q_in"], cap["k_in"], cap["v_in"]], axis=1)
-        np.testing.assert_array_equal(c1.conv_state(i), conv_in[-(tiny.conv_kernel - 1):])
-        _, S = kda.recurrent_kda(cap["q"], cap["k"], cap["v"], cap["g"], cap["beta"])
+            assert np.max(np.abs(getattr(pieces[i], name) - getattr(cap, name))) <= 1e-12
+        np.testing.assert_array_equal(c1.conv_state(i), cap.conv_inputs[-(tiny.conv_kernel - 1):])
+        _, S = kda.recurrent_kda(*cap.kernel_inputs())
         assert np.max(np.abs(S - c1.kda_state(i))) <= 1e-10
+        head = cap[:12]  # slicing selects tokens
+        assert len(head) == 12 and np.array_equal(head.concat(cap[12:]).v, cap.v)
+    with pytest.raises(ValueError, match="slice"):
+        cap[3]
+
+
+def test_layers_run_slices_like_context_parallelism():
+    """project -> mix -> output on two slices, states carried across the cut, == prefill."""
+    model = MODELS["f64"]
+    tokens = STREAM[:29]
+    cut = 13
+    h = [model.weights["embed"][tokens[:cut]], model.weights["embed"][tokens[cut:]]]
+    for layer, mlp in zip(model.layers, model.mlps):
+        conv = state = None
+        keys, values = [], []
+        for j in (0, 1):
+            x = rms_norm(h[j], layer.norm)
+            if isinstance(layer, KDALayer):
+                cap, conv = layer.project(x, conv)
+                o, state = layer.mix(cap, state, kernel="chunk")
+                y = layer.output(x, o)
+            else:
+                q, k, v = layer.project(x)
+                keys.append(k), values.append(v)
+                y = layer.output(layer.mix(q, np.concatenate(keys), np.concatenate(values)))
+            h[j] = h[j] + y
+            h[j] = h[j] + mlp(h[j])
+    logits = rms_norm(np.concatenate(h), model.weights["final_norm"]) @ model.weights["lm_head"]
+    assert np.max(np.abs(logits - model.prefill(tokens, model.new_cache()))) <= 1e-10
+    assert [layer.kind for layer in model.layers] == list(tiny.layer_pattern)
+    with pytest.raises(ValueError, match="kernel="):
+        model.layers[0].mix(cap, kernel="fast")
+    with pytest.raises(ValueError, match="x: expected"):
+        model.layers[0].project(np.zeros((2, 3)))
 
 
 def test_generate_is_greedy_over_forward():
@@ -214,7 +247,7 @@ def test_variants_stay_exact(cfg):
     if cfg.gate == "lowerbound":
         cap = {}
         model.prefill(tokens, model.new_cache(), capture=cap)
-        g = cap[cfg.kda_layers[0]]["g"]
+        g = cap[cfg.kda_layers[0]].g
         assert (g >= cfg.gate_lower_bound).all() and (g < 0).all()
 
 
@@ -274,7 +307,64 @@ def test_cache_protocol_errors():
         cache.append_kv(3, np.zeros((2, 4, 31)), np.zeros((2, 4, 32)))
     with pytest.raises(ValueError, match="append_kv for every global layer"):
         cache.advance(1)
-    with pytest.raises(ValueError, match="advance"):
+    with pytest.raises(ValueError, match="n=-1"):
         cache.advance(-1)
     with pytest.raises(ValueError):
         cache.kda_state(0)[0, 0, 0] = 1.0  # read-only view: writes go through set_kda_state
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.integers(0, 30), extra=st.integers(1, 12), by_decode=st.booleans(), same=st.booleans())
+def test_truncate_then_reprefill_equals_never_going_past(n, extra, by_decode, same):
+    model = MODELS["f64"]
+    cache, ref = model.new_cache(), model.new_cache()
+    model.prefill(STREAM[:n], cache), model.prefill(STREAM[:n], ref)
+    ckpt = cache.checkpoint()
+    past = STREAM[n:n + extra]
+    if by_decode:
+        for t in past:
+            model.decode(int(t), cache)
+    else:
+        model.prefill(past, cache)
+    cache.truncate(n, ckpt)
+    assert cache.seq_len == n and cache.nbytes_by_kind() == ref.nbytes_by_kind()
+    assert _max_cache_diff(cache, ref) == 0.0
+    again = past if same else _tokens(extra, seed=n + 1)  # the same tokens, or a different branch
+    a, b = model.prefill(again, cache), model.prefill(again, ref)
+    assert np.max(np.abs(a - b)) <= 1e-10
+    assert _max_cache_diff(cache, ref) <= 1e-10
+
+
+def test_truncate_refuses_what_it_cannot_undo():
+    model = MODELS["f64"]
+    cache = model.new_cache()
+    model.prefill(STREAM[:10], cache)
+    at5 = model.new_cache()
+    model.prefill(STREAM[:5], at5)
+    before = cache.checkpoint()
+    with pytest.raises(ValueError, match="checkpoint=None.*seq_len == 4"):
+        cache.truncate(4)
+    with pytest.raises(ValueError, match=r"checkpoint.seq_len=5: .*n=4"):
+        cache.truncate(4, at5.checkpoint())
+    with pytest.raises(ValueError, match="n=11: expected n <= seq_len=10"):
+        cache.truncate(11)
+    with pytest.raises(ValueError, match="n=-1"):
+        cache.truncate(-1)
+    with pytest.raises(ValueError, match="checkpoint: expected a StateCheckpoint"):
+        cache.truncate(5, {"seq_len": 5})
+    assert cache.seq_len == 10 and cache.kv(3)[0].shape[0] == 10  # refused calls change nothing
+    assert _max_cache_diff(cache, HybridCache.from_checkpoint(TINY64, before, kv={
+        i: cache.kv(i) for i in tiny.attn_layers})) == 0.0
+    cache.truncate(10)  # nothing to undo: no checkpoint needed
+    cache.truncate(5, at5.checkpoint())
+    assert _max_cache_diff(cache, at5) <= 1e-10  # KV rows of a 10-token vs a 5-token matmul
+    # a model without KDA layers truncates KV alone
+    attn_only = Model(tiny.with_(name="tiny-attn", layer_pattern="AA"), seed=0)
+    c = attn_only.new_cache()
+    attn_only.prefill(STREAM[:9], c)
+    c.truncate(4)
+    assert c.seq_len == 4 and c.kv(1)[0].shape[0] == 4
+    with c:  # free() on exit; a freed cache refuses to work
+        pass
+    with pytest.raises(RuntimeError, match="freed"):
+        c.kv(1)

@@ -1,22 +1,21 @@
-"""PagedHybridCache == contiguous HybridCache exactly, and freeing returns every page."""
+"""PagedHybridCache == contiguous HybridCache exactly; truncate and free return every page they should."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from kimilab import config
-from kimilab.model.cache import HybridCache
-from kimilab.model import Model
+from kimilab.model import HybridCache
 from kimilab.pool.paged_cache import PagedHybridCache
-from kimilab.pool.pages import PagePool, PoolExhausted
+from kimilab.pool.pages import PagePool, PoolError, PoolExhausted
 
 CFG = config.tiny
 ROW = 2 * CFG.attn_kv_heads_eff * CFG.attn_head_dim_eff * 8  # bytes of one token row, one layer
 
 
 @pytest.fixture(scope="module")
-def model():
-    return Model(CFG, seed=0)
+def model(tiny_model):
+    return tiny_model  # conftest: Model(config.tiny, seed=0)
 
 
 def _tokens(n, seed):
@@ -37,14 +36,7 @@ def test_paged_equals_contiguous(model, page_rows, block_tokens, prompt, steps, 
     assert np.array_equal(a, b)
     for t in toks[prompt:]:
         assert np.array_equal(model.decode(t, contiguous), model.decode(t, paged))
-    assert paged.seq_len == contiguous.seq_len
-    assert paged.nbytes_by_kind() == contiguous.nbytes_by_kind()
-    for i in CFG.attn_layers:
-        for x, y in zip(paged.kv(i), contiguous.kv(i)):
-            assert np.array_equal(x, y)
-    for i in CFG.kda_layers:
-        assert np.array_equal(paged.kda_state(i), contiguous.kda_state(i))
-        assert np.array_equal(paged.conv_state(i), contiguous.conv_state(i))
+    _same(paged, contiguous)
     paged.free()
     pool.check_invariants()
     assert pool.n_free == pool.n_pages and pool.stats().pages_by_kind == fresh.pages_by_kind
@@ -120,8 +112,80 @@ def test_errors(model):
         model.prefill(_tokens(200, 0), p)  # needs more KV blocks than the pool has
     assert pool.n_free == free_before  # the failing append took nothing
     p.free()
-    with pytest.raises(Exception, match="freed"):
+    with pytest.raises(PoolError, match="freed"):
         p.kda_state(0)
     assert pool.n_free == pool.n_pages
     with pytest.raises(PoolExhausted, match="kda_state"):
         PagedHybridCache(CFG, PagePool(4, 4096))
+
+
+def _same(paged, contiguous):
+    assert paged.seq_len == contiguous.seq_len and paged.nbytes_by_kind() == contiguous.nbytes_by_kind()
+    for i in CFG.attn_layers:
+        for x, y in zip(paged.kv(i), contiguous.kv(i)):
+            assert np.array_equal(x, y)
+    for i in CFG.kda_layers:
+        assert np.array_equal(paged.kda_state(i), contiguous.kda_state(i))
+        assert np.array_equal(paged.conv_state(i), contiguous.conv_state(i))
+
+
+@settings(max_examples=6, deadline=None)
+@given(page_rows=st.sampled_from([1, 3, 16]), block_tokens=st.sampled_from([1, 5, 16]),
+       n=st.integers(0, 30), extra=st.integers(1, 20), seed=st.integers(0, 99))
+def test_truncate_frees_blocks_and_equals_never_going_past(model, page_rows, block_tokens, n, extra, seed):
+    pool = PagePool(600, page_rows * ROW)
+    paged = PagedHybridCache(CFG, pool, block_tokens=block_tokens)
+    ref = HybridCache(CFG)
+    toks = _tokens(n + 2 * extra, seed)
+    model.prefill(toks[:n], paged), model.prefill(toks[:n], ref)
+    ckpt, used_at_n = paged.checkpoint(), pool.n_used
+    model.prefill(toks[n:n + extra], paged)
+    model.decode(toks[n + extra], paged)
+    paged.truncate(n, ckpt)
+    pool.check_invariants()
+    blocks = -(-n // block_tokens)
+    assert all(len(paged.block_table(i)) == blocks for i in CFG.attn_layers)
+    assert pool.n_used == used_at_n == paged.n_pages  # whole blocks past n went back, nothing leaked
+    _same(paged, ref)
+    again = toks[n + extra:]  # a different continuation from n
+    assert np.array_equal(model.prefill(again, paged), model.prefill(again, ref))
+    _same(paged, ref)
+    paged.free()
+    pool.check_invariants()
+    assert pool.n_free == pool.n_pages
+
+
+def test_from_blocks_shares_pages_and_truncate_copies_a_shared_block(model):
+    """A second cache on the first one's KV blocks; rolling it back never touches the first's rows."""
+    pool = PagePool(400, 16 * ROW)  # a page holds one 16-token block of one layer
+    a = PagedHybridCache(CFG, pool, block_tokens=16, owner="a")
+    toks = _tokens(64, 4)
+    model.prefill(toks[:20], a)
+    at20 = a.checkpoint()
+    model.prefill(toks[20:32], a)
+    a_kv = {i: tuple(x.copy() for x in a.kv(i)) for i in CFG.attn_layers}
+    blocks = {i: list(a._blocks[i]) for i in CFG.attn_layers}
+    b = PagedHybridCache.from_blocks(CFG, pool, block_tokens=16, blocks=blocks, checkpoint=a.checkpoint(), owner="b")
+    assert b.seq_len == 32 and all(blk.refcount == 2 for layer in blocks.values() for blk in layer)
+    ref = HybridCache(CFG)
+    model.prefill(toks[:20], ref), model.prefill(toks[20:32], ref)  # the same pieces as a
+    assert np.array_equal(model.decode(toks[32], b), model.decode(toks[32], ref))  # row 32: a new private block
+    b.truncate(20, at20)  # block 2 is shared and partly kept: b copies it first
+    assert [blk.refcount for blk in blocks[CFG.attn_layers[0]]] == [2, 1]
+    ref.truncate(20, at20)
+    other = toks[40:64]
+    assert np.array_equal(model.prefill(other, b), model.prefill(other, ref))
+    _same(b, ref)
+    for i in CFG.attn_layers:  # a's rows are untouched
+        assert all(np.array_equal(x, y) for x, y in zip(a.kv(i), a_kv[i]))
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="blocks: expected block lists"):
+        PagedHybridCache.from_blocks(CFG, pool, block_tokens=16, blocks={})
+    with pytest.raises(ValueError, match=r"blocks\[3\]\[0\]: expected a 'kv' Allocation"):
+        PagedHybridCache.from_blocks(CFG, pool, block_tokens=16, blocks={i: [a._kda[0]] for i in CFG.attn_layers})
+    with pytest.raises(ValueError, match="cannot hold seq_len=32"):
+        PagedHybridCache.from_blocks(CFG, pool, block_tokens=16, blocks={i: blocks[i][:1] for i in CFG.attn_layers},
+                                     checkpoint=a.checkpoint())
+    a.free(), b.free()
+    pool.check_invariants()
+    assert pool.n_free == pool.n_pages

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kimilab import kda
+from kimilab.kda.testing import random_inputs
 
 pytestmark = pytest.mark.parity
 
@@ -77,21 +78,10 @@ def rel_err(ours: np.ndarray, ref) -> float:
     return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-def make_inputs(seed, B, T, H, K, V, gate="logsigmoid"):
-    """float32 inputs in fla's [B, T, H, ...] layout (q, k L2-normalised as the layer does)."""
-    rng = np.random.default_rng(seed)
-    f32 = lambda x: np.ascontiguousarray(x, dtype=np.float32)  # noqa: E731
-    q = f32(kda.l2_normalize(rng.standard_normal((B, T, H, K))))
-    k = f32(kda.l2_normalize(rng.standard_normal((B, T, H, K))))
-    v = f32(rng.standard_normal((B, T, H, V)))
-    if gate == "logsigmoid":  # the gate fla's own KDA tests draw
-        g = f32(np.log(kda.sigmoid(rng.standard_normal((B, T, H, K)))))
-    else:  # Kimi-style softplus gate at init
-        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), H * K))
-        g = f32(kda.kda_gate(rng.standard_normal((B, T, H, K)) * 0.5, np.log(rng.uniform(1, 16, H)), np.log(np.expm1(dt))))
-    beta = f32(kda.sigmoid(rng.standard_normal((B, T, H))))
-    S0 = f32(rng.standard_normal((B, H, K, V)) * 0.5)
-    return q, k, v, g, beta, S0
+def fla_inputs(seed, B, T, H, K, V, gate="logsigmoid"):
+    """float32 inputs in fla's [B, T, H, ...] layout from the shared generator; S0 halved."""
+    (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=seed, gate=gate, dtype=np.float32, batch=B)
+    return q, k, v, g, beta, np.float32(0.5) * S0
 
 
 def torchify(*arrays):
@@ -102,9 +92,9 @@ CASES = [
     # seed, B, T, H, K, V, gate, with_state
     (0, 1, 64, 2, 16, 16, "logsigmoid", False),
     (1, 2, 128, 3, 32, 16, "logsigmoid", True),
-    (2, 1, 100, 2, 16, 8, "softplus", True),  # ragged: 100 = 64 + 36
+    (2, 1, 100, 2, 16, 8, "kimi-init", True),  # ragged: 100 = 64 + 36
     (3, 1, 37, 1, 8, 24, "logsigmoid", True),  # shorter than one chunk
-    (4, 2, 192, 2, 64, 64, "softplus", False),
+    (4, 2, 192, 2, 64, 64, "kimi-init", False),
 ]
 
 
@@ -112,7 +102,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[2]}-H{c[3]}-K{c[4]}-V{c[5]}-{c[6]}-S0{int(c[7])}")
 def test_recurrent_and_chunk_match_naive_recurrent(case, dtype):
     seed, B, T, H, K, V, gate, with_state = case
-    q, k, v, g, beta, S0 = make_inputs(seed, B, T, H, K, V, gate)
+    q, k, v, g, beta, S0 = fla_inputs(seed, B, T, H, K, V, gate)
     init = S0 if with_state else None
     o_ref, s_ref = naive.naive_recurrent_kda(
         *torchify(q, k, v, g, beta), initial_state=torchify(S0)[0] if with_state else None, output_final_state=True
@@ -131,7 +121,7 @@ def test_recurrent_and_chunk_match_naive_recurrent(case, dtype):
 def test_chunk_matches_naive_chunk(case, chunk):
     """fla's naive_chunk_kda needs T % chunk == 0; ragged lengths are covered above."""
     seed, B, T, H, K, V, gate, with_state = case
-    q, k, v, g, beta, S0 = make_inputs(seed, B, T, H, K, V, gate)
+    q, k, v, g, beta, S0 = fla_inputs(seed, B, T, H, K, V, gate)
     o_ref, s_ref = naive.naive_chunk_kda(
         *torchify(q, k, v, g, beta),
         initial_state=torchify(S0)[0] if with_state else None,
@@ -144,7 +134,7 @@ def test_chunk_matches_naive_chunk(case, chunk):
 
 
 def test_unbatched_layout_equals_batch_of_one():
-    q, k, v, g, beta, S0 = make_inputs(9, 1, 80, 2, 16, 16)
+    q, k, v, g, beta, S0 = fla_inputs(9, 1, 80, 2, 16, 16)
     o_ref, s_ref = naive.naive_recurrent_kda(*torchify(q, k, v, g, beta), initial_state=torchify(S0)[0],
                                              output_final_state=True)
     o, s = kda.chunk_kda(q[0], k[0], v[0], g[0], beta[0], initial_state=S0[0])
@@ -186,7 +176,7 @@ def test_gated_pipeline_end_to_end():
     raw = (rng.standard_normal((B, T, H, K)) * 0.5).astype(np.float32)
     A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
     dt_bias = np.log(np.expm1(np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), H * K)))).astype(np.float32)
-    q, k, v, _, beta, _ = make_inputs(8, B, T, H, K, V)
+    q, k, v, _, beta, _ = fla_inputs(8, B, T, H, K, V)
     g_ref = naive_kda_gate(torch.from_numpy(raw), torch.from_numpy(A_log), torch.from_numpy(dt_bias))
     o_ref, s_ref = naive.naive_recurrent_kda(*torchify(q, k, v), g_ref, torchify(beta)[0], output_final_state=True)
     g = kda.kda_gate(raw, A_log, dt_bias)

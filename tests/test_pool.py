@@ -6,10 +6,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from kimilab import config, costs as memory
-from kimilab.pool.pages import (
-    KINDS, CacheShapes, DoubleFree, ForeignHandle, JengaPages, LcmPagePool, PagePool, PoolExhausted,
-    RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages, waste_table,
+from kimilab import config
+from kimilab.config import PAGE_KINDS
+from kimilab.costs import CacheShapes
+from kimilab.pool import (
+    UNBOUNDED_PAGES, DoubleFree, ForeignHandle, JengaHandle, JengaPages, LcmPagePool, PagePool, PoolExhausted,
+    RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages,
 )
 
 
@@ -118,12 +120,29 @@ def test_allocation_cost_is_independent_of_pool_size():
     assert big.n_free == 1_000_000
 
 
-def test_shapes_agree_with_memory_model():
-    for cfg in (config.tiny, config.kimi_linear_48b):
-        s = CacheShapes.from_config(cfg)
-        assert s.kv_bytes_per_token == memory.kv_bytes_per_token(cfg)
-        assert s.fixed_bytes == memory.checkpoint_bytes(cfg)
-        assert s.request_bytes(1000) == sum(memory.request_bytes(cfg, 1000).values())
+def test_owners_hand_pages_over_without_moving_them():
+    """A finished request's pages become another owner's: share to the new owner, free the old handle."""
+    pool = PagePool(8, 64)
+    mine = pool.allocate("kv", 3, owner="request 1")
+    pool.arena()[mine.pages] = 7
+    theirs = pool.share(mine, owner="prefix")
+    pool.free(mine)
+    assert theirs.owner == "prefix" and theirs.refcount == 1 and pool.n_used == 3
+    assert (pool.arena()[theirs.pages] == 7).all()
+    assert "owner='prefix'" in repr(theirs)
+    pool.free(theirs)
+    assert pool.n_used == 0
+    pool.check_invariants()
+
+
+def test_an_unbounded_accounting_pool_costs_memory_for_what_it_holds():
+    """A pool of 2^62 pages (the CLI's --capacity-tokens inf) allocates like any other."""
+    pool = PagePool(UNBOUNDED_PAGES, 4096, backed=False, name="unbounded")
+    handles = [pool.allocate("kv", 3) for _ in range(1000)]
+    assert pool.n_used == 3000 and pool._stack.nbytes < 2**16
+    for h in handles:
+        pool.free(h)
+    assert pool.n_used == 0 and pool.capacity_bytes == UNBOUNDED_PAGES * 4096
 
 
 def test_policy_page_sizes_48b():
@@ -140,8 +159,8 @@ def test_policy_page_sizes_48b():
             fp = policy.footprint(s, n)
             assert fp.requested_bytes == s.request_bytes(n)
             assert fp.reserved_bytes >= fp.requested_bytes
-    rows = waste_table(s, [UnifiedPages(), v], [100])
-    assert rows[1]["waste_bytes"] > 10 * rows[0]["waste_bytes"]  # big vLLM blocks pad short prompts
+    # big vLLM blocks pad short prompts
+    assert v.footprint(s, 100).waste_bytes > 10 * UnifiedPages().footprint(s, 100).waste_bytes
 
 
 @pytest.mark.parametrize("policy", [UnifiedPages(), VllmPaddedPages(), JengaPages(), SplitPools(0.5)],
@@ -166,15 +185,15 @@ def test_request_allocator_is_all_or_nothing(policy):
         alloc.release(rid)
     assert alloc.reserved_bytes == 0 and alloc.requested_bytes == 0
     for pool in alloc.pools.values():
-        inner = pool.large if isinstance(pool, LcmPagePool) else pool
-        inner.check_invariants()
-        assert inner.n_free == inner.n_pages
+        pool.check_invariants()
+        assert pool.reserved_bytes == 0
 
 
 def test_lcm_pool_returns_large_pages():
     pool = LcmPagePool(4, {"kv": 6, "kda_state": 4})
     assert pool.large_bytes == 12 and pool.per_large == {"kv": 2, "kda_state": 3}
-    t1 = pool.allocate("kv", 3)  # 2 large pages, one slot spare
+    t1 = pool.allocate("kv", 3, owner="r1")  # 2 large pages, one slot spare
+    assert isinstance(t1, JengaHandle) and t1.owner == "r1" and t1.n_pages == 3
     t2 = pool.allocate("kv", 1)  # fills the spare slot
     assert pool.large.n_used == 2
     t3 = pool.allocate("kda_state", 4)  # 2 more large pages
@@ -185,8 +204,10 @@ def test_lcm_pool_returns_large_pages():
     assert pool.large.n_used == 3  # the large page shared with t2 stays
     with pytest.raises(DoubleFree):
         pool.free(t1)
+    pool.check_invariants()
     pool.free(t2), pool.free(t3)
     assert pool.large.n_used == 0 and pool.reserved_bytes == 0
+    pool.check_invariants()
 
 
 # ----- property test: a random life of a pool ----------------------------------
@@ -202,7 +223,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.block_pages: dict[int, int] = {}
         self.live: dict[int, object] = {}  # handle id -> handle
 
-    @rule(target=handles, kind=st.sampled_from(KINDS), n=st.integers(1, 8), data=st.data())
+    @rule(target=handles, kind=st.sampled_from(PAGE_KINDS), n=st.integers(1, 8), data=st.data())
     def allocate(self, kind, n, data):
         before = _fingerprint(self.pool)
         if n > self.pool.n_free:

@@ -1,22 +1,18 @@
-"""Dual-granularity prefix cache: policies, accounting invariants, exactness on the tiny model, CLI."""
-
-import json
-import subprocess
-import sys
+"""Dual-granularity prefix cache: policies, accounting invariants, exactness on the tiny model."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab import costs as memory
-from kimilab.model.cache import HybridCache
+from kimilab import costs
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.model import Model
-from kimilab.pool.pages import PagePool
-from kimilab.prefix.hybrid import (Align, CacheCosts, Dual, EveryBlock, HybridPrefixCache, KVOnly,
-                            ModelPrefixCache, make_policy, main, replay)
-from kimilab.prefix.radix import RadixTree
-from kimilab.traffic.trace import TraceRecord, write_trace
+from kimilab.costs import CacheCosts
+from kimilab.model import HybridCache, Model
+from kimilab.pool import UNBOUNDED_PAGES, PagePool
+from kimilab.prefix import (Align, Dual, EveryBlock, HybridPrefixCache, KVOnly, ModelPrefixCache, RadixTree,
+                            make_policy)
+from kimilab.sim import simulate
+from kimilab.traffic import Request
 
 BS = 4
 CFG = kimi_linear_48b
@@ -30,7 +26,7 @@ def records_from_paths(paths, shorts=None):
         # a partial last block is different content, hence a different id
         ids = tuple(hash((tuple(p[: j + 1]), short if j == len(p) - 1 else 0)) % 10**9
                     for j in range(len(p)))
-        out.append(TraceRecord(t, len(p) * BS - short, 1, ids))
+        out.append(Request(t, t, len(p) * BS - short, 1, hash_ids=ids))
     return out
 
 
@@ -39,19 +35,13 @@ def make_cache(policy, capacity_tokens=400, partial_blocks=False):
                                         partial_blocks=partial_blocks)
 
 
-def test_costs_come_from_the_memory_model():
-    costs = CacheCosts.of(CFG)
-    assert costs.kv_bytes_per_token == 8064 == memory.kv_bytes_per_token(CFG)
-    assert costs.checkpoint_bytes == memory.checkpoint_bytes(CFG)
+def test_budget_sizes_pages_from_costs():
     cache = HybridPrefixCache.for_budget(CFG, Dual(), block_size=512, capacity_tokens=2**20)
-    assert cache.pool.n_pages == 2048 and cache.page_bytes == 512 * 8064
-    assert cache.checkpoint_pages == -(-memory.checkpoint_bytes(CFG) // (512 * 8064)) == 11
+    assert cache.pool.n_pages == 2048 and cache.page_bytes == 512 * 8064 == 512 * costs.kv_bytes_per_token(CFG)
+    assert cache.checkpoint_pages == -(-costs.checkpoint_bytes(CFG) // (512 * 8064)) == 11
     assert make_cache(KVOnly()).checkpoint_pages == 0
-    for n_new, n_cached in [(0, 0), (0, 9), (1, 0), (700, 0), (1000, 600), (64, 4096), (65, 1)]:
-        assert costs.prefill_flops(n_new, n_cached) == memory.prefill_flops(CFG, n_new, n_cached)
-        assert CacheCosts.of(tiny).prefill_flops(n_new, n_cached) == memory.prefill_flops(tiny, n_new, n_cached)
-    assert costs.flops_saved(1000, 0) == 0
-    assert costs.flops_saved(1000, 600) == memory.prefill_flops(CFG, 1000) - memory.prefill_flops(CFG, 400, 600)
+    unbounded = HybridPrefixCache.for_budget(CFG, Dual(), block_size=512, capacity_tokens=None)
+    assert unbounded.pool.n_pages == UNBOUNDED_PAGES and unbounded.capacity_tokens is None
 
 
 def test_bad_arguments_name_what_is_expected():
@@ -95,8 +85,7 @@ def test_a_hit_always_leaves_one_token_to_compute():
 
 
 def _replay_paths(paths, shorts, policy, capacity):
-    return replay(records_from_paths(paths, shorts), policy, config=CFG, block_size=BS,
-                  capacity_tokens=capacity, keep_per_request=True)
+    return simulate(records_from_paths(paths, shorts), cache=make_cache(policy, capacity), keep_per_request=True)
 
 
 PATHS = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=30)
@@ -198,10 +187,7 @@ def test_dual_keeps_live_branch_points():
 
 # ----- exactness on the tiny model -------------------------------------------------
 
-MODEL = Model(tiny, seed=0)
-
-
-def _assert_same_cache(a: HybridCache, b: HybridCache):
+def _assert_same_cache(a, b):
     assert a.seq_len == b.seq_len
     for i in tiny.attn_layers:
         for x, y in zip(a.kv(i), b.kv(i)):
@@ -213,89 +199,65 @@ def _assert_same_cache(a: HybridCache, b: HybridCache):
 
 @settings(max_examples=8, deadline=None)
 @given(st.integers(0, 10**6), st.sampled_from(["every-block", "align", "dual"]),
-       st.integers(6, 40), st.booleans())
-def test_prefill_from_a_hit_equals_a_cold_prefill(seed, name, capacity_blocks, partial):
-    """Restored state + shared KV blocks give the cold prefill's logits and final cache."""
-    rng = np.random.default_rng(seed)
+       st.integers(100, 250), st.booleans())
+def test_prefill_from_a_hit_equals_a_cold_prefill(tiny_model, seed, name, capacity_blocks, partial):
+    """Adopted KV pages + a restored checkpoint give the cold prefill's logits and final cache;
+    a request kept running while the next one shares its pages is not disturbed; decoding on
+    after the prompt stays exact; and when all requests are gone, the pool holds exactly the cache."""
+    rng = np.random.default_rng(seed)  # capacity: two running requests (36 state pages each) + some cache
     block = 4
     kwargs = {"interval": 2 * block} if name == "align" else {}
-    store = ModelPrefixCache(MODEL, make_policy(name, **kwargs), block_size=block,
+    store = ModelPrefixCache(tiny_model, make_policy(name, **kwargs), block_size=block,
                              capacity_tokens=capacity_blocks * block, partial_blocks=partial)
     prompts = [rng.integers(0, 256, int(rng.integers(2, 20)))]
     for _ in range(4):  # branch from / extend earlier prompts: a small random trace
         parent = prompts[int(rng.integers(len(prompts)))]
         cut = int(rng.integers(1, len(parent) + 1))
         prompts.append(np.concatenate([parent[:cut], rng.integers(0, 256, int(rng.integers(1, 12)))]))
-    reused = 0
+    previous = None  # (request cache, its cold twin): still running while the next request arrives
     for p in prompts:
         logits, cache, out = store.prefill(p)
         cold = HybridCache(tiny)
-        cold_logits = MODEL.prefill(p, cold)
+        cold_logits = tiny_model.prefill(p, cold)
         assert logits.shape == (len(p) - out.usable_hit, tiny.vocab_size)
         assert np.abs(logits - cold_logits[out.usable_hit:]).max() <= 1e-10
         _assert_same_cache(cache, cold)
-        reused += out.usable_hit
-        store.cache.check_invariants()
+        if previous is not None:  # decode on the earlier request: its pages were not disturbed
+            before, twin = previous
+            token = int(rng.integers(0, 256))
+            assert np.abs(tiny_model.decode(token, before) - tiny_model.decode(token, twin)).max() <= 1e-10
+            _assert_same_cache(before, twin)
+            before.free()
+        previous = (cache, cold)
+    previous[0].free()
+    store.cache.check_invariants()  # pool pages in use == cached KV pages + checkpoint pages
+    store.pool.check_invariants()
 
 
-def test_prefill_from_a_hit_really_reuses():
-    store = ModelPrefixCache(MODEL, "dual", block_size=4, capacity_tokens=400)
+def test_a_finished_requests_pages_become_the_next_requests_prefix(tiny_model):
+    """One pool: request 2 reads request 1's KV pages in place after request 1 is gone."""
+    store = ModelPrefixCache(tiny_model, "dual", block_size=4, capacity_tokens=400)
     base = np.arange(13) % 250
-    store.prefill(base)
-    logits, cache, out = store.prefill(np.concatenate([base, [7, 8, 9]]))
+    _, first, out1 = store.prefill(base)
+    layer = tiny.attn_layers[0]
+    written = first.block_table(layer)[:3]  # the prompt's three whole blocks
+    first.free()  # what remains in the pool is exactly the cache: request 1's prompt blocks and a checkpoint
+    assert store.pool.n_used == store.cache.kv_pages + store.cache.checkpoint_pages_used
+    assert store.cache.kv_pages == 3 * len(tiny.attn_layers) and store.cache.n_checkpoints == 1
+    logits, second, out = store.prefill(np.concatenate([base, [7, 8, 9]]))
     assert out.usable_hit == 12 and logits.shape[0] == 4
+    assert second.block_table(layer)[:3] == written  # the same pages, read in place, not copies
+    second.free()
+    assert store.pool.n_used == store.cache.kv_pages + store.cache.checkpoint_pages_used
+    store.pool.check_invariants()
 
 
-# ----- CLI -------------------------------------------------------------------------
-
-KEYS = {"requests", "prompt_tokens", "kv_hit_tokens", "usable_hit_tokens", "recomputed_tokens",
-        "kv_hit_rate", "usable_hit_rate", "checkpoint_bytes_peak", "kv_bytes_peak",
-        "prefill_flops_saved", "wall_seconds"}
-
-
-@pytest.fixture()
-def trace(tmp_path):
-    recs = records_from_paths([[0, 1, 2], [0, 1, 3, 4], [0, 5], [0, 1, 3, 4, 6]], [0, 1, 2, 3])
-    recs = [TraceRecord(r.timestamp, r.input_length * 128, 1, r.hash_ids) for r in recs]  # 512-token blocks
-    return write_trace(tmp_path / "t.jsonl", recs)
-
-
-def test_cli_main_prints_one_json_object(trace, capsys):
-    assert main([str(trace), "--block-size", "512", "--capacity-tokens", "100000",
-                 "--policy", "dual"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert KEYS <= set(out)
-    assert out["requests"] == 4 and out["policy"] == "dual" and out["model"] == "kimi_linear_48b"
-    assert out["usable_hit_tokens"] <= out["kv_hit_tokens"]
-    assert out["recomputed_tokens"] == out["prompt_tokens"] - out["usable_hit_tokens"]
-
-
-def test_cli_subprocess_and_kv_only(trace):
-    proc = subprocess.run([sys.executable, "-m", "kimilab.prefix", str(trace), "--capacity-tokens",
-                           "100000", "--policy", "kv-only"], capture_output=True, text=True, check=True)
-    out = json.loads(proc.stdout)
-    assert out["checkpoint_bytes_peak"] == 0 and out["usable_hit_tokens"] == out["kv_hit_tokens"]
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--capacity-tokens", "1000", "--policy", "lru"], "invalid choice"),
-    (["--capacity-tokens", "-5", "--policy", "dual"], "must be a positive int"),
-    (["--capacity-tokens", "100", "--policy", "dual"], "at least one block"),
-    (["--capacity-tokens", "10000", "--policy", "dual", "--model", "nope"], "--model"),
-    (["--capacity-tokens", "10000", "--policy", "align", "--interval", "700"], "multiple of block_size"),
-    (["--policy", "dual"], "--capacity-tokens"),
-])
-def test_cli_bad_arguments_exit_with_a_clear_error(trace, capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
-        main([str(trace)] + argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_cli_bad_trace_names_the_line(tmp_path, capsys):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
-                   '{"timestamp": 1, "input_length": 10, "output_length": 1}\n')
-    with pytest.raises(SystemExit):
-        main([str(bad), "--capacity-tokens", "10000", "--policy", "dual"])
-    assert "line 2" in capsys.readouterr().err
+def test_a_full_pool_evicts_cached_prefix_for_a_running_request(tiny_model):
+    """The cache yields: a request that needs pages takes them from unpinned cached blocks."""
+    store = ModelPrefixCache(tiny_model, "dual", block_size=4, capacity_tokens=4 * 64)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        _, cache, _ = store.prefill(rng.integers(0, 256, 30))
+        cache.free()
+    assert store.cache.tree.n_evicted > 0
+    store.cache.check_invariants()

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab.pool.pages import PagePool
-from kimilab.prefix.radix import RadixTree, block_token_counts, replay_trace
-from kimilab.traffic.trace import TraceRecord
+from kimilab.pool import PagePool
+from kimilab.prefix import RadixTree, block_token_counts
+from kimilab.sim import simulate
+from kimilab.traffic import Request
 
 BS = 4
 
@@ -141,7 +142,7 @@ def _slow_hit_rate(records, capacity_blocks):
     """Obvious twin: an ordered list of cached prefixes (by id), LRU over leaves."""
     cached = {}  # id -> (parent id, last use)
     hit = total = 0
-    for t, r in enumerate(sorted(records, key=lambda r: r.timestamp)):
+    for t, r in enumerate(sorted(records, key=lambda r: r.arrival_ms)):
         full = r.input_length // BS
         ids = list(r.hash_ids[:full])
         j = 0
@@ -169,9 +170,23 @@ def _slow_hit_rate(records, capacity_blocks):
        st.integers(1, 10))
 def test_replay_hit_rate_matches_obvious_twin(paths, capacity):
     records = [
-        TraceRecord(t, len(p) * BS, 1, tuple(hash(tuple(p[: j + 1])) % 10**9 for j in range(len(p))))
+        Request(t, t, len(p) * BS, 1, hash_ids=tuple(hash(tuple(p[: j + 1])) % 10**9 for j in range(len(p))))
         for t, p in enumerate(paths)
     ]
-    stats, tree = replay_trace(records, PagePool(capacity, 64, backed=False), BS)
-    assert stats.hit_rate == pytest.approx(_slow_hit_rate(records, capacity), abs=1e-12)
+    stats = simulate(records, cache=RadixTree(PagePool(capacity, 64, backed=False), BS))
+    assert stats.kv_hit_rate == pytest.approx(_slow_hit_rate(records, capacity), abs=1e-12)
     assert stats.prompt_tokens == sum(r.input_length for r in records)
+
+
+def test_a_node_can_hold_one_page_per_global_layer():
+    """allocs_per_node=2: each block is two one-page allocations (a paged model's two KV layers)."""
+    pool = PagePool(7, 64, backed=False)
+    tree = RadixTree(pool, BS, allocs_per_node=2)
+    m, path, complete = tree.insert(tokens=np.arange(4 * BS))
+    assert not complete and len(path) == 3  # 7 pages hold 3 whole blocks; the odd page is not used
+    assert all(isinstance(n.alloc, tuple) and len(n.alloc) == 2 for n in path)
+    assert tree.n_pages == pool.n_used == 6
+    tree.check_invariants()
+    tree.evict_all()
+    assert pool.n_used == 0
+    pool.check_invariants()

@@ -1,4 +1,4 @@
-"""Full causal softmax attention and the append-only KV cache it decodes with.
+"""Full causal softmax attention and the KV cache it decodes with (append, and truncate to roll back).
 
 Layouts: queries ``q [T, H, D]``, keys ``k [L, Hkv, D]``, values ``v [L, Hkv, Dv]``.
 The T queries are the *last* T of the L positions, so prefill is ``T == L`` and a
@@ -13,6 +13,8 @@ matmuls (2 FLOPs each) over the causal (query, key) pairs that matter.
 from __future__ import annotations
 
 import numpy as np
+
+from kimilab.validate import check_int
 
 __all__ = [
     "causal_attention",
@@ -65,8 +67,7 @@ def causal_attention(q, k, v, scale=None, query_block: int = 256) -> np.ndarray:
     its last query can see).
     """
     T, H, D, L, Hkv, Dv = _check_qkv(q, k, v)
-    if not isinstance(query_block, int) or query_block < 1:
-        raise ValueError(f"query_block: expected a positive int, got {query_block!r}")
+    query_block = check_int("query_block", query_block, 1)
     scale = D ** -0.5 if scale is None else float(scale)
     group = H // Hkv
     offset = L - T  # absolute position of query 0
@@ -110,33 +111,34 @@ def reference_causal_attention(q, k, v, scale=None) -> np.ndarray:
 
 
 class KVCache:
-    """Append-only, contiguous per-layer KV cache: keys [L, Hkv, D], values [L, Hkv, Dv].
+    """Contiguous per-layer KV cache: keys [L, Hkv, D], values [L, Hkv, Dv].
 
-    Storage grows by doubling (amortised O(1) append); ``keys``/``values`` are
-    read-only views of the filled part. ``nbytes`` counts the filled part only;
-    ``capacity_nbytes`` the allocated buffers.
+    Tokens are appended at the end; stored tokens never change. ``truncate(n)`` drops
+    the tokens after the first n (rolling back rejected speculative tokens), and the
+    next append writes over their storage. Storage grows by doubling (amortised O(1)
+    append); ``keys``/``values`` are read-only views of the filled part, valid until
+    the next ``truncate``. ``nbytes`` counts the filled part only; ``capacity_nbytes``
+    the allocated buffers.
     """
 
     def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int | None = None,
                  dtype="float64", capacity: int = 16) -> None:
-        for name, value in (("n_kv_heads", n_kv_heads), ("head_dim", head_dim), ("capacity", capacity)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        value_dim = head_dim if value_dim is None else value_dim
-        if not isinstance(value_dim, (int, np.integer)) or isinstance(value_dim, bool) or value_dim < 1:
-            raise ValueError(f"value_dim: expected a positive int, got {value_dim!r}")
+        n_kv_heads = check_int("n_kv_heads", n_kv_heads, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
+        capacity = check_int("capacity", capacity, 1)
+        value_dim = head_dim if value_dim is None else check_int("value_dim", value_dim, 1)
         try:
             dt = np.dtype(dtype)
         except TypeError:
             raise ValueError(f"dtype: expected float32 or float64, got {dtype!r}") from None
         if dt not in _FLOAT_DTYPES:
             raise ValueError(f"dtype: expected float32 or float64, got {dt}")
-        self.n_kv_heads = int(n_kv_heads)
-        self.head_dim = int(head_dim)
-        self.value_dim = int(value_dim)
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
         self.dtype = dt
-        self._k = np.empty((int(capacity), self.n_kv_heads, self.head_dim), dtype=dt)
-        self._v = np.empty((int(capacity), self.n_kv_heads, self.value_dim), dtype=dt)
+        self._k = np.empty((capacity, n_kv_heads, head_dim), dtype=dt)
+        self._v = np.empty((capacity, n_kv_heads, value_dim), dtype=dt)
         self._length = 0
 
     def __repr__(self) -> str:
@@ -203,6 +205,17 @@ class KVCache:
         self._length = needed
         return needed
 
+    def truncate(self, n: int) -> int:
+        """Keep the first ``n`` tokens and drop the rest (0 <= n <= length); returns ``n``.
+
+        The storage stays allocated, so re-appending costs no regrowth. Afterwards the
+        cache equals one that never held the dropped tokens.
+        """
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._length:
+            raise ValueError(f"n={n!r}: expected an int with 0 <= n <= length={self._length}")
+        self._length = int(n)
+        return self._length
+
 
 def decode_step(q, k, v, cache: KVCache, scale=None) -> np.ndarray:
     """Append the new tokens' k/v to ``cache``, then attend their queries over everything cached.
@@ -225,37 +238,31 @@ def decode_step(q, k, v, cache: KVCache, scale=None) -> np.ndarray:
 
 # ----- FLOP counters ----------------------------------------------------------
 
-def _check_count(name: str, value, minimum: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def causal_pairs(T: int, L: int) -> int:
     """(query, key) pairs a causal mask keeps when the T queries are the last of L positions."""
-    T = _check_count("T", T, 0)
-    L = _check_count("L", L, 0)
+    T = check_int("T", T, 0)
+    L = check_int("L", L, 0)
     if T > L:
-        raise ValueError(f"T: expected T <= L={L}, got T={T}")
+        raise ValueError(f"T={T}: expected T <= L={L}")
     return T * (L - T) + T * (T + 1) // 2
 
 
 def attention_flops(T: int, L: int, H: int, D: int, Dv: int | None = None) -> int:
     """FLOPs of scores (q.k) and mixing (w.v) for T causal queries over L keys, H query heads."""
-    H = _check_count("H", H, 1)
-    D = _check_count("D", D, 1)
-    Dv = D if Dv is None else _check_count("Dv", Dv, 1)
+    H = check_int("H", H, 1)
+    D = check_int("D", D, 1)
+    Dv = D if Dv is None else check_int("Dv", Dv, 1)
     return 2 * causal_pairs(T, L) * H * (D + Dv)
 
 
 def projection_flops(T: int, d_model: int, H: int, Hkv: int, D: int, Dv: int | None = None) -> int:
     """FLOPs of the q, k, v and output projections of T tokens in one attention layer."""
-    T = _check_count("T", T, 0)
-    d_model = _check_count("d_model", d_model, 1)
-    H = _check_count("H", H, 1)
-    Hkv = _check_count("Hkv", Hkv, 1)
-    D = _check_count("D", D, 1)
-    Dv = D if Dv is None else _check_count("Dv", Dv, 1)
+    T = check_int("T", T, 0)
+    d_model = check_int("d_model", d_model, 1)
+    H = check_int("H", H, 1)
+    Hkv = check_int("Hkv", Hkv, 1)
+    D = check_int("D", D, 1)
+    Dv = D if Dv is None else check_int("Dv", Dv, 1)
     return 2 * T * d_model * (H * D + Hkv * D + Hkv * Dv + H * Dv)
 
 
@@ -269,8 +276,8 @@ def decode_flops(context_len: int, *, n_heads: int, head_dim: int, n_kv_heads: i
     whole prefix is run again: project all ``context_len`` tokens and attend all of them
     causally. Projections are counted only when ``d_model`` is given.
     """
-    L = _check_count("context_len", context_len, 1)
-    n_layers = _check_count("n_layers", n_layers, 1)
+    L = check_int("context_len", context_len, 1)
+    n_layers = check_int("n_layers", n_layers, 1)
     Hkv = n_heads if n_kv_heads is None else n_kv_heads
     T = 1 if cached else L
     per_layer = attention_flops(T, L, n_heads, head_dim, value_dim)

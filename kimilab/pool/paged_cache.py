@@ -1,7 +1,8 @@
 """A per-request hybrid cache that lives on the pages of a :class:`~kimilab.pool.PagePool`.
 
-:class:`PagedHybridCache` implements the same cache protocol as the contiguous
-:class:`kimilab.cache.HybridCache`, but every byte it holds is in the pool's arena:
+:class:`PagedHybridCache` implements the cache protocol of
+:class:`kimilab.model.CacheProtocol` (the contiguous twin is
+:class:`kimilab.model.HybridCache`), but every byte it holds is in the pool's arena:
 
 * KV of each global layer sits in blocks of ``block_tokens`` tokens. A block is
   one pool allocation (kind ``"kv"``) of a few pages; a per-layer **block
@@ -15,20 +16,23 @@ Writes go straight into the arena through numpy views (no staging copy).
 Reads gather: ``kv(i)`` collects the layer's rows through the block table
 (the CPU stand-in for a paged-attention kernel reading blocks), and state
 reads return a snapshot copy because ``set_kda_state`` overwrites the pages in
-place. Nothing else keeps a second copy of the cache. :meth:`free` returns
-every page.
+place. Nothing else keeps a second copy of the cache. ``truncate`` gives whole
+blocks past the cut back to the pool; :meth:`free` returns every page.
+:meth:`from_blocks` starts a request on blocks someone else holds too (a
+prefix cache's pages), taking its own reference to each.
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from kimilab.model.cache import HybridCache, StateCheckpoint
 from kimilab.config import ModelConfig
-from kimilab.pool.pages import PagePool, PoolError, PoolExhausted
+from kimilab.model.cache import CacheProtocol, StateCheckpoint, check_checkpoint
+from kimilab.pool.handles import Allocation, PoolError, PoolExhausted
+from kimilab.pool.pages import PagePool
+from kimilab.validate import check_int
 
 __all__ = ["PagedHybridCache"]
 
@@ -38,25 +42,26 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-class PagedHybridCache:
-    """The cache protocol of :class:`kimilab.cache.HybridCache`, stored on pool pages."""
+def _table(blocks: list) -> np.ndarray:
+    """The page table of a block list: every block's pages, in token order."""
+    return np.concatenate([a.pages for a in blocks]) if blocks else np.zeros(0, dtype=np.int64)
 
-    def __init__(self, config: ModelConfig, pool: PagePool, *, block_tokens: int = 16) -> None:
-        _check(config)
+
+class PagedHybridCache(CacheProtocol):
+    """The cache protocol on pool pages; ``owner`` labels every pool handle it takes."""
+
+    _freed_error = PoolError
+
+    def __init__(self, config: ModelConfig, pool: PagePool, *, block_tokens: int = 16, owner=None) -> None:
+        super().__init__(config)
         if not isinstance(pool, PagePool):
             raise ValueError(f"pool: expected a kimilab.pool.PagePool, got {type(pool).__name__}")
         if not pool.backed:
             raise ValueError("pool: expected a backed pool (PagePool(..., backed=True)); "
                              "an accounting-only pool has no bytes to hold a cache")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) or block_tokens < 1:
-            raise ValueError(f"block_tokens={block_tokens!r}: expected an int >= 1 (tokens per KV block)")
-        self.config = config
-        self.pool = pool
-        self.dtype = np.dtype(config.dtype)
-        self.block_tokens = int(block_tokens)
+        self.block_tokens = check_int("block_tokens", block_tokens, 1, unit="tokens per KV block")
+        self.pool, self.owner = pool, owner
         item = self.dtype.itemsize
-        self._hkv, self._dk = config.attn_kv_heads_eff, config.attn_head_dim_eff
-        self._dv = self._dk
         self._row_elems = self._hkv * (self._dk + self._dv)
         row_bytes = self._row_elems * item
         if pool.page_bytes % item:
@@ -67,25 +72,20 @@ class PagedHybridCache:
             raise ValueError(f"pool.page_bytes={pool.page_bytes}: a page must hold at least one KV "
                              f"token row ({row_bytes} B = Hkv x (Dk + Dv) x {item} B)")
         self.pages_per_block = -(-self.block_tokens // self.tokens_per_page)
-        H, K = config.n_heads, config.head_dim
-        self._state_shape = (H, K, K)
-        self._conv_shape = (config.conv_kernel - 1, config.conv_channels)
-        self._state_nbytes = H * K * K * item
-        self._conv_nbytes = self._conv_shape[0] * self._conv_shape[1] * item
+        self._state_nbytes = int(np.prod(self._state_shape)) * item
+        self._conv_nbytes = int(np.prod(self._conv_shape)) * item
         # all fixed-size allocations at once, or none
         need = len(config.kda_layers) * (pool.pages_for_bytes(self._state_nbytes) +
                                          pool.pages_for_bytes(self._conv_nbytes))
-        if need > pool.n_free:
+        if not pool.ensure_free(need):
             raise PoolExhausted.of(pool, "kda_state", need)
-        self._kda = {i: pool.allocate_bytes("kda_state", self._state_nbytes, zero=True)
+        self._kda = {i: pool.allocate_bytes("kda_state", self._state_nbytes, zero=True, owner=owner)
                      for i in config.kda_layers}
-        self._conv = {i: pool.allocate_bytes("conv_state", self._conv_nbytes, zero=True)
+        self._conv = {i: pool.allocate_bytes("conv_state", self._conv_nbytes, zero=True, owner=owner)
                       for i in config.kda_layers}
         self._blocks: dict[int, list] = {i: [] for i in config.attn_layers}  # block tables
-        self._page_table = {i: np.zeros(0, dtype=np.int64) for i in config.attn_layers}
+        self._page_table = {i: _table([]) for i in config.attn_layers}
         self._kv_len = dict.fromkeys(config.attn_layers, 0)
-        self._seq_len = 0
-        self._freed = False
 
     # ----- arena views -------------------------------------------------------
     def _rows(self) -> np.ndarray:
@@ -94,18 +94,6 @@ class PagedHybridCache:
         used = self.tokens_per_page * self._row_elems * self.dtype.itemsize
         return arena[:, :used].view(self.dtype).reshape(self.pool.n_pages, self.tokens_per_page,
                                                         self._row_elems)
-
-    def _live(self) -> None:
-        if self._freed:
-            raise PoolError("PagedHybridCache: this cache was freed; its pages belong to the pool again")
-
-    def _layer(self, i, table: dict, what: str) -> int:
-        self._live()
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or int(i) not in table:
-            kind = "KDA" if what != "kv" else "global-attention"
-            raise ValueError(f"layer i={i!r} is not a {kind} layer of {self.config.name!r}; "
-                             f"{kind} layers are {tuple(sorted(table))}")
-        return int(i)
 
     def _slots(self, i: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(page, slot in page) of token ``positions`` of layer ``i`` via the block table."""
@@ -129,49 +117,21 @@ class PagedHybridCache:
         if rest:
             arena[pages[full], :rest] = raw[full * page_bytes:]
 
-    # ----- bookkeeping --------------------------------------------------------
-    @property
-    def seq_len(self) -> int:
-        return self._seq_len
-
-    def advance(self, n: int) -> None:
-        """Record that ``n`` more tokens went through every layer (once per model call)."""
-        self._live()
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"advance(n={n!r}): expected a non-negative int")
-        new = self._seq_len + int(n)
-        for i, length in self._kv_len.items():
-            if length != new:
-                raise ValueError(
-                    f"advance(n={n}): global layer {i} holds {length} KV rows but seq_len "
-                    f"would become {new}; append_kv for every global layer before advancing")
-        self._seq_len = new
-
     # ----- KDA layers -----------------------------------------------------------
     def kda_state(self, i: int) -> np.ndarray:
         """Recurrent state [H, K, V] of KDA layer ``i`` (a read-only snapshot)."""
-        i = self._layer(i, self._kda, "kda_state")
-        return self._read(self._kda[i], self._state_nbytes, self._state_shape)
+        return self._read(self._kda[self._layer(i, "kda_state")], self._state_nbytes, self._state_shape)
 
     def set_kda_state(self, i: int, state: np.ndarray) -> None:
-        i = self._layer(i, self._kda, "kda_state")
-        state = np.asarray(state)
-        if state.shape != self._state_shape:
-            raise ValueError(f"set_kda_state(i={i}, state): expected shape [H, K, V] = "
-                             f"{list(self._state_shape)}, got {list(state.shape)}")
+        i, state = self._checked_state(i, state, "kda_state")
         self._write(self._kda[i], state)
 
     def conv_state(self, i: int) -> np.ndarray:
         """Conv rolling state [W-1, C] of KDA layer ``i`` (a read-only snapshot)."""
-        i = self._layer(i, self._conv, "conv_state")
-        return self._read(self._conv[i], self._conv_nbytes, self._conv_shape)
+        return self._read(self._conv[self._layer(i, "conv_state")], self._conv_nbytes, self._conv_shape)
 
     def set_conv_state(self, i: int, conv: np.ndarray) -> None:
-        i = self._layer(i, self._conv, "conv_state")
-        conv = np.asarray(conv)
-        if conv.shape != self._conv_shape:
-            raise ValueError(f"set_conv_state(i={i}, conv): expected shape [W-1, C] = "
-                             f"{list(self._conv_shape)}, got {list(conv.shape)}")
+        i, conv = self._checked_state(i, conv, "conv_state")
         self._write(self._conv[i], conv)
 
     # ----- global layers ---------------------------------------------------------
@@ -181,14 +141,7 @@ class PagedHybridCache:
         All-or-nothing: if the pool cannot supply every block needed, PoolExhausted is
         raised before anything changes.
         """
-        i = self._layer(i, self._kv_len, "kv")
-        k, v = np.asarray(k), np.asarray(v)
-        if k.ndim != 3 or k.shape[1:] != (self._hkv, self._dk):
-            raise ValueError(f"append_kv(i={i}, k): expected shape [T, Hkv, Dk] = "
-                             f"[T, {self._hkv}, {self._dk}], got {list(k.shape)}")
-        if v.shape != (k.shape[0], self._hkv, self._dv):
-            raise ValueError(f"append_kv(i={i}, v): expected shape [T, Hkv, Dv] = "
-                             f"[{k.shape[0]}, {self._hkv}, {self._dv}], got {list(v.shape)}")
+        i, k, v = self._checked_kv(i, k, v)
         T = k.shape[0]
         if T == 0:
             return
@@ -196,9 +149,9 @@ class PagedHybridCache:
         need_blocks = -(-(start + T) // self.block_tokens) - len(self._blocks[i])
         if need_blocks > 0:
             need = need_blocks * self.pages_per_block
-            if need > self.pool.n_free:
+            if not self.pool.ensure_free(need):
                 raise PoolExhausted.of(self.pool, "kv", need)
-            new = [self.pool.allocate("kv", self.pages_per_block) for _ in range(need_blocks)]
+            new = [self.pool.allocate("kv", self.pages_per_block, owner=self.owner) for _ in range(need_blocks)]
             self._blocks[i].extend(new)
             self._page_table[i] = np.concatenate([self._page_table[i]] + [a.pages for a in new])
         pages, slots = self._slots(i, np.arange(start, start + T))
@@ -210,7 +163,7 @@ class PagedHybridCache:
 
     def kv(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(K [L, Hkv, Dk], V [L, Hkv, Dv]) of layer ``i``, gathered through its block table."""
-        i = self._layer(i, self._kv_len, "kv")
+        i = self._layer(i, "kv")
         L = self._kv_len[i]
         rows = self._rows()
         if self.block_tokens % self.tokens_per_page == 0:  # pages are full: gather whole pages
@@ -226,8 +179,35 @@ class PagedHybridCache:
 
     def block_table(self, i: int) -> list[int]:
         """Block ids (pool allocation ids) of layer ``i``, in token order."""
-        i = self._layer(i, self._kv_len, "kv")
-        return [a.block_id for a in self._blocks[i]]
+        return [a.block_id for a in self._blocks[self._layer(i, "kv")]]
+
+    def _kv_length(self, i: int) -> int:
+        return self._kv_len[i]
+
+    def _drop_kv_after(self, n: int) -> None:
+        """Give back every block past the one holding row n-1.
+
+        A partly kept block that someone else also holds (a prefix cache's page) is
+        first copied to a private block, because this cache will write the rows past n.
+        """
+        keep = -(-n // self.block_tokens)
+        cow = [i for i, blocks in self._blocks.items()
+               if n % self.block_tokens and self._kv_len[i] > n and blocks[keep - 1].refcount > 1]
+        need = len(cow) * self.pages_per_block
+        if not self.pool.ensure_free(need):
+            raise PoolExhausted.of(self.pool, "kv", need, "truncate: copy a shared block")
+        arena = self.pool.arena()
+        for i, blocks in self._blocks.items():
+            for alloc in blocks[keep:]:
+                self.pool.free(alloc)
+            del blocks[keep:]
+            if i in cow:
+                private = self.pool.allocate("kv", self.pages_per_block, owner=self.owner)
+                arena[private.pages] = arena[blocks[-1].pages]
+                self.pool.free(blocks[-1])
+                blocks[-1] = private
+            self._page_table[i] = _table(blocks)
+            self._kv_len[i] = min(self._kv_len[i], n)
 
     # ----- sizes -------------------------------------------------------------------
     def nbytes_by_kind(self) -> dict[str, int]:
@@ -238,10 +218,6 @@ class PagedHybridCache:
             "kda_state": len(self._kda) * self._state_nbytes,
             "conv_state": len(self._conv) * self._conv_nbytes,
         }
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(self.nbytes_by_kind().values()))
 
     def reserved_bytes_by_kind(self) -> dict[str, int]:
         """Bytes of the pages held (what other requests cannot use)."""
@@ -262,87 +238,92 @@ class PagedHybridCache:
         return sum(a.n_pages for a in self.allocations())
 
     # ----- lifetime and copies --------------------------------------------------------
-    def free(self) -> None:
-        """Give every page back to the pool. The cache cannot be used afterwards."""
-        self._live()
+    def _release(self) -> None:
+        """Give every handle back to the pool (pages others still hold stay theirs)."""
         for alloc in self.allocations():
             self.pool.free(alloc)
         self._kda, self._conv = {}, {}
         self._blocks = {i: [] for i in self._blocks}
-        self._freed = True
-
-    def __enter__(self) -> "PagedHybridCache":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self._freed:
-            self.free()
+        self._page_table = {i: _table([]) for i in self._blocks}
+        self._kv_len = dict.fromkeys(self._kv_len, 0)
 
     def clone(self) -> "PagedHybridCache":
         """A deep copy on fresh pages of the same pool (continuing one never affects the other)."""
         self._live()
         need = self.n_pages
-        if need > self.pool.n_free:
+        if not self.pool.ensure_free(need):
             raise PoolExhausted.of(self.pool, "kv", need)
-        out = PagedHybridCache(self.config, self.pool, block_tokens=self.block_tokens)
+        out = PagedHybridCache(self.config, self.pool, block_tokens=self.block_tokens, owner=self.owner)
         arena = self.pool.arena()
         for i in self._kda:
             arena[out._kda[i].pages] = arena[self._kda[i].pages]
             arena[out._conv[i].pages] = arena[self._conv[i].pages]
         for i, blocks in self._blocks.items():
-            new = [self.pool.allocate("kv", self.pages_per_block) for _ in blocks]
+            new = [self.pool.allocate("kv", self.pages_per_block, owner=self.owner) for _ in blocks]
             for a, b in zip(new, blocks):
                 arena[a.pages] = arena[b.pages]
             out._blocks[i] = new
-            out._page_table[i] = (np.concatenate([a.pages for a in new]) if new
-                                  else np.zeros(0, dtype=np.int64))
+            out._page_table[i] = _table(new)
         out._kv_len = dict(self._kv_len)
         out._seq_len = self._seq_len
         return out
 
-    def checkpoint(self) -> StateCheckpoint:
-        """Copies of every KDA and conv state at the current position."""
-        self._live()
-        return StateCheckpoint(
-            config=self.config,
-            seq_len=self._seq_len,
-            kda_states=MappingProxyType({i: self.kda_state(i) for i in self._kda}),
-            conv_states=MappingProxyType({i: self.conv_state(i) for i in self._conv}),
-        )
-
     @classmethod
     def from_checkpoint(cls, config: ModelConfig, ckpt: StateCheckpoint,
                         kv: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None, *,
-                        pool: PagePool, block_tokens: int = 16) -> "PagedHybridCache":
-        """A paged cache at ``ckpt.seq_len`` (see HybridCache.from_checkpoint); pages from ``pool``."""
-        if not isinstance(ckpt, StateCheckpoint):
-            raise ValueError(f"ckpt: expected a StateCheckpoint, got {type(ckpt).__name__}")
-        if ckpt.config != config:
-            raise ValueError(f"ckpt.config={ckpt.config.name!r} does not match config={config.name!r}")
-        if set(ckpt.kda_states) != set(config.kda_layers) or set(ckpt.conv_states) != set(config.kda_layers):
-            raise ValueError(f"ckpt: expected states for KDA layers {config.kda_layers}")
-        kv = dict(kv or {})
-        extra = set(kv) - set(config.attn_layers)
-        if extra:
-            raise ValueError(f"kv: layers {sorted(extra)} are not global layers {config.attn_layers}")
+                        pool: PagePool, block_tokens: int = 16, owner=None) -> "PagedHybridCache":
+        """A paged cache at ``ckpt.seq_len`` (see CacheProtocol.from_checkpoint); pages from ``pool``."""
+        return super().from_checkpoint(config, ckpt, kv, pool=pool, block_tokens=block_tokens, owner=owner)
+
+    def adopt(self, blocks: Mapping[int, Sequence[Allocation]], checkpoint: StateCheckpoint | None = None) -> None:
+        """Start this empty cache on KV blocks someone else allocated (e.g. a prefix cache's pages).
+
+        ``blocks`` maps every global layer to its blocks in token order; the cache takes
+        its own handle to each (``pool.share``), so the caller keeps and frees its own.
+        The cache then stands at ``checkpoint.seq_len`` with the checkpoint's states (at 0
+        with zero states if None): the blocks' first ``seq_len`` rows must hold those
+        tokens' KV. Blocks past them are written by the next appends. All or nothing.
+        """
+        self._live()
+        config, pool = self.config, self.pool
+        if self._seq_len or any(self._blocks.values()):
+            raise ValueError("adopt: expected an empty cache (seq_len 0, no KV blocks)")
+        seq_len = 0
+        if checkpoint is not None:
+            check_checkpoint(config, checkpoint, "checkpoint")
+            seq_len = checkpoint.seq_len
+        blocks = dict(blocks)
+        if set(blocks) != set(config.attn_layers):
+            raise ValueError(f"blocks: expected block lists for the global layers {config.attn_layers}, "
+                             f"got {sorted(blocks)}")
         for i in config.attn_layers:
-            if i not in kv and ckpt.seq_len:
-                raise ValueError(f"kv: missing (K, V) for global layer {i} (needed for {ckpt.seq_len} tokens)")
-            if i in kv and (np.shape(kv[i][0])[0] != ckpt.seq_len or np.shape(kv[i][1])[0] != ckpt.seq_len):
-                raise ValueError(f"kv[{i}]: expected {ckpt.seq_len} rows (ckpt.seq_len), "
-                                 f"got K {np.shape(kv[i][0])[0]}, V {np.shape(kv[i][1])[0]}")
-        out = cls(config, pool, block_tokens=block_tokens)
+            held = list(blocks[i])
+            for j, alloc in enumerate(held):
+                if not isinstance(alloc, Allocation) or alloc.kind != "kv" or alloc.n_pages != self.pages_per_block:
+                    raise ValueError(f"blocks[{i}][{j}]: expected a 'kv' Allocation of {self.pages_per_block} "
+                                     f"page(s) (block_tokens={self.block_tokens}), got {alloc!r}")
+            if len(held) * self.block_tokens < seq_len:
+                raise ValueError(f"blocks[{i}]: {len(held)} block(s) of {self.block_tokens} tokens "
+                                 f"cannot hold seq_len={seq_len}")
+        for i in config.attn_layers:
+            self._blocks[i] = [pool.share(alloc, owner=self.owner) for alloc in blocks[i]]
+            self._page_table[i] = _table(self._blocks[i])
+            self._kv_len[i] = seq_len
+        if checkpoint is not None:
+            self._restore_states(checkpoint)
+        self._seq_len = seq_len
+
+    @classmethod
+    def from_blocks(cls, config: ModelConfig, pool: PagePool, *, block_tokens: int,
+                    blocks: Mapping[int, Sequence[Allocation]], checkpoint: StateCheckpoint | None = None,
+                    owner=None) -> "PagedHybridCache":
+        """A new cache on its own state pages, started on existing KV blocks (see :meth:`adopt`)."""
+        out = cls(config, pool, block_tokens=block_tokens, owner=owner)
         try:
-            for i in config.kda_layers:
-                out.set_kda_state(i, ckpt.kda_states[i])
-                out.set_conv_state(i, ckpt.conv_states[i])
-            for i in config.attn_layers:
-                if i in kv:
-                    out.append_kv(i, *kv[i])
-        except Exception:
+            out.adopt(blocks, checkpoint)
+        except BaseException:
             out.free()
             raise
-        out._seq_len = ckpt.seq_len
         return out
 
     def __repr__(self) -> str:
@@ -352,10 +333,3 @@ class PagedHybridCache:
         return (f"PagedHybridCache(config={self.config.name!r}, seq_len={self._seq_len}, "
                 f"pages={self.n_pages} x {self.pool.page_bytes} B, kv={b['kv']} B, "
                 f"kda_state={b['kda_state']} B, conv_state={b['conv_state']} B)")
-
-
-def _check(config) -> None:
-    """The same config rules as the contiguous cache (runnable, non-MLA)."""
-    from kimilab.model.cache import check_runnable_config
-
-    check_runnable_config(config)

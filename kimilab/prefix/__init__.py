@@ -1,1 +1,21 @@
-"""Prefix caching: a radix tree over blocks, checkpoint policies, the dual-granularity cache."""
+"""Prefix caching, one concept per module:
+
+* ``blocks``   how a prompt is cut into block keys (hash ids or token blocks)
+* ``radix``    RadixTree: KV blocks of an attention model, pinned while used, evicted leaf-first
+* ``policies`` where a hybrid cache keeps state checkpoints, and what it evicts first
+* ``hybrid``   HybridPrefixCache: KV blocks + state checkpoints in one page pool (accounting)
+* ``tensors``  the same cache holding the runnable model's real KV and states
+"""
+
+from kimilab.prefix.blocks import block_token_counts, split_prompt
+from kimilab.prefix.hybrid import Checkpoint, HybridPrefixCache, Outcome
+from kimilab.prefix.policies import (POLICIES, Align, Dual, EveryBlock, KVOnly, Placement, Policy, check_interval,
+                                     make_policy)
+from kimilab.prefix.radix import Match, Node, RadixTree
+from kimilab.prefix.tensors import ModelPrefixCache
+
+__all__ = [
+    "block_token_counts", "split_prompt", "Match", "Node", "RadixTree", "Placement", "Policy", "KVOnly",
+    "EveryBlock", "Align", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
+    "HybridPrefixCache", "ModelPrefixCache",
+]

@@ -17,19 +17,15 @@ unpinned leaves only (a parent's prefix is needed by its children), oldest first
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = [
-    "Node",
-    "Match",
-    "RadixTree",
-    "ReplayStats",
-    "block_token_counts",
-    "replay_trace",
-]
+from kimilab.prefix.blocks import split_prompt
+from kimilab.validate import check_int
+
+__all__ = ["Node", "Match", "RadixTree"]
 
 
 class Node:
@@ -97,41 +93,16 @@ class Match:
     def hit_tokens(self) -> int:
         return self.block_tokens + self.partial_tokens
 
-
-def block_token_counts(n_tokens: int, n_blocks: int, block_size: int) -> list[int]:
-    """Tokens in each block of an ``n_tokens`` prompt split into ``n_blocks`` blocks.
-
-    All blocks are full except possibly the last; raises if the counts disagree.
-    """
-    if n_tokens < 0:
-        raise ValueError(f"n_tokens={n_tokens}: expected >= 0")
-    expected = -(-n_tokens // block_size)
-    if n_blocks != expected:
-        raise ValueError(
-            f"keys: got {n_blocks} block keys for n_tokens={n_tokens} with "
-            f"block_size={block_size}; expected ceil(n_tokens / block_size) = {expected}"
-        )
-    if n_blocks == 0:
-        return []
-    counts = [block_size] * n_blocks
-    counts[-1] = n_tokens - block_size * (n_blocks - 1)
-    return counts
-
-
-def _token_blocks(tokens, block_size: int) -> tuple[list, list[int], list]:
-    arr = np.ascontiguousarray(np.asarray(tokens), dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens: expected a 1-D sequence of token ids, got shape {arr.shape}")
-    blocks = [arr[i : i + block_size] for i in range(0, len(arr), block_size)]
-    keys = [b.tobytes() for b in blocks]
-    return keys, [len(b) for b in blocks], blocks
+    # An attention model reuses every cached token: its usable hit is its KV hit.
+    kv_hit = usable_hit = hit_tokens
 
 
 class RadixTree:
     """Block radix tree with refcount pinning and leaf-first LRU eviction.
 
-    ``pool`` is a :class:`kimilab.pool.PagePool`; each node takes
-    ``pages_per_block`` pages of kind ``kind``. ``partial_blocks=False`` caches and
+    ``pool`` is a :class:`kimilab.pool.PagePool`; each node holds one ``"kv"`` page, or
+    a tuple of ``allocs_per_node`` one-page allocations (one per global layer, when the
+    tree keeps a paged model's real KV blocks). ``partial_blocks=False`` caches and
     matches whole blocks only (vLLM); ``True`` also caches a prompt's trailing
     partial block and, when tokens are known, matches token-exactly inside a block.
     ``reclaim`` (optional) replaces the default LRU reclaimer: it receives the
@@ -144,21 +115,17 @@ class RadixTree:
         pool,
         block_size: int,
         *,
-        pages_per_block: int = 1,
+        allocs_per_node: int = 1,
         partial_blocks: bool = False,
-        kind: str = "kv",
         on_evict: Callable[[Node], None] | None = None,
         reclaim: Callable[[int], bool] | None = None,
     ):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size={block_size!r}: expected a positive int (tokens per block)")
-        if not isinstance(pages_per_block, int) or pages_per_block <= 0:
-            raise ValueError(f"pages_per_block={pages_per_block!r}: expected a positive int")
+        self.allocs_per_node = check_int("allocs_per_node", allocs_per_node, 1)
         self.pool = pool
         self.block_size = block_size
-        self.pages_per_block = pages_per_block
         self.partial_blocks = bool(partial_blocks)
-        self.kind = kind
         self.on_evict = on_evict
         self.reclaim = reclaim if reclaim is not None else self.evict
         self.root = Node(None, None, 0, 0, None, 0)
@@ -172,30 +139,11 @@ class RadixTree:
         self._collecting = False
         self._spares: dict = {}
         self._spare_pages = 0
-        self._own_key = (kind, pages_per_block, pages_per_block * pool.page_bytes)
+        self._own_key = ("kv", 1, pool.page_bytes)
 
     # ----- keys ------------------------------------------------------------
     def _split(self, keys, n_tokens, tokens):
-        """(keys, per-block token counts, per-block token arrays or None)."""
-        if tokens is not None:
-            tkeys, counts, blocks = _token_blocks(tokens, self.block_size)
-            if n_tokens is not None and n_tokens != len(tokens):
-                raise ValueError(f"n_tokens={n_tokens}: expected len(tokens) = {len(tokens)}")
-            if keys is not None:
-                keys = list(keys)
-                block_token_counts(len(tokens), len(keys), self.block_size)
-            else:
-                keys = tkeys
-        else:
-            if keys is None or n_tokens is None:
-                raise ValueError("give either tokens=..., or keys=... together with n_tokens=...")
-            keys = list(keys)
-            counts = block_token_counts(int(n_tokens), len(keys), self.block_size)
-            blocks = None
-        if not self.partial_blocks and counts and counts[-1] < self.block_size:
-            keys, counts = keys[:-1], counts[:-1]
-            blocks = blocks[:-1] if blocks is not None else None
-        return keys, counts, blocks
+        return split_prompt(keys, n_tokens, tokens, self.block_size, self.partial_blocks)
 
     # ----- lookup ----------------------------------------------------------
     def match(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
@@ -324,7 +272,7 @@ class RadixTree:
                 f"keys[{first}]={keys[first]!r}: already cached with "
                 f"{node.children[keys[first]].n_tokens} tokens, now {counts[first]}"
             )
-        allocs = self.allocate_many(self.kind, self.pages_per_block, len(keys) - first)
+        allocs = self._node_allocs(len(keys) - first)
         complete = len(allocs) == len(keys) - first
         for j, alloc in zip(range(first, len(keys)), allocs):
             child = self._add_child(node, keys[j], counts[j], alloc, blocks[j] if blocks is not None else None)
@@ -343,6 +291,17 @@ class RadixTree:
         parent.children[key] = child
         self.n_nodes += 1
         return child
+
+    def _node_allocs(self, count: int) -> list:
+        """KV allocations for ``count`` new nodes (tuples when a node holds several), fewer if full."""
+        group = self.allocs_per_node
+        flat = self.allocate_many("kv", 1, count * group)
+        if group == 1:
+            return flat
+        n = len(flat) // group
+        for alloc in flat[n * group:]:  # an incomplete group is of no use
+            self.pool.free(alloc)
+        return [tuple(flat[j * group:(j + 1) * group]) for j in range(n)]
 
     def allocate(self, kind: str, n_pages: int, nbytes: int | None = None):
         """One allocation from the pool, reclaiming cache space if needed; None if impossible."""
@@ -410,13 +369,14 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key]
         node.alive = False
-        self.release(node.alloc, self._own_key)
+        for alloc in (node.alloc if self.allocs_per_node > 1 else (node.alloc,)):
+            self.release(alloc, self._own_key)
         node.alloc = None
         self.n_nodes -= 1
         self.n_evicted += 1
         if parent is not self.root and parent.refcount == 0 and not parent.children:
             self._push_leaf(parent)
-        return self.pages_per_block
+        return self.allocs_per_node
 
     def evict(self, n_pages: int) -> bool:
         """Evict unpinned leaves, lowest priority (oldest) first, until ``n_pages`` are free."""
@@ -457,7 +417,10 @@ class RadixTree:
     @property
     def n_pages(self) -> int:
         """Pages held by the tree."""
-        return self.n_nodes * self.pages_per_block
+        return self.n_nodes * self.allocs_per_node
+
+    kv_pages = n_pages
+    checkpoint_pages_used = 0  # an attention model's cache holds no states
 
     @property
     def cached_tokens(self) -> int:
@@ -475,44 +438,3 @@ class RadixTree:
             assert node.refcount >= 0
             if node.children:
                 assert node.n_tokens == self.block_size, "only a full block can have children"
-
-
-@dataclass
-class ReplayStats:
-    """Token-weighted hit rate of a replay: prompt tokens served from cache / all prompt tokens."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    per_request_hits: list = field(default_factory=list, repr=False)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def replay_trace(
-    records: Sequence,
-    pool,
-    block_size: int,
-    *,
-    partial_blocks: bool = False,
-    keep_per_request: bool = False,
-) -> tuple[ReplayStats, RadixTree]:
-    """Replay Mooncake records (``timestamp``, ``input_length``, ``hash_ids``) in timestamp order.
-
-    Requests are served one at a time; each pins its own path while its blocks
-    are inserted. Returns the stats and the final tree.
-    """
-    tree = RadixTree(pool, block_size, partial_blocks=partial_blocks)
-    stats = ReplayStats()
-    order = sorted(range(len(records)), key=lambda i: (records[i].timestamp, i))
-    for i in order:
-        rec = records[i]
-        m = tree.serve(rec.hash_ids, rec.input_length)
-        stats.requests += 1
-        stats.prompt_tokens += rec.input_length
-        stats.hit_tokens += m.hit_tokens
-        if keep_per_request:
-            stats.per_request_hits.append(m.hit_tokens)
-    return stats, tree

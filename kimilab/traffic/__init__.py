@@ -1,1 +1,38 @@
-"""Traffic: the one Request, seeded generators, Mooncake trace I/O and statistics."""
+"""Traffic: the one Request, seeded generators, Mooncake trace I/O and statistics, the committed traces.
+
+Modules, in the order data flows:
+
+* :mod:`~kimilab.traffic.request`    — :class:`Request` (tokens and/or hash ids, arrival, lengths, tenant)
+* :mod:`~kimilab.traffic.segments`   — prompts as (uid, length) segments; tokens or block ids from them
+* :mod:`~kimilab.traffic.generators` — chat, agent, document, Mooncake-like and mixed workloads
+* :mod:`~kimilab.traffic.trace`      — Mooncake jsonl export / load / validation, trace statistics
+* :mod:`~kimilab.traffic.datasets`   — the traces in ``data/`` and :func:`regenerate`
+"""
+
+from kimilab.traffic.datasets import DATASETS, regenerate
+from kimilab.traffic.generators import (agent_loops, chat_sessions, document_qa, mixed_workload,
+                                        mooncake_conversation_like)
+from kimilab.traffic.request import DEFAULT_BLOCK_SIZE, Request
+from kimilab.traffic.trace import (check_chain, format_stats, load_trace, parse_line, reuse_upper_bound,
+                                   to_trace, trace_stats, trace_to_jsonl, write_trace)
+
+__all__ = [
+    "Request",
+    "DEFAULT_BLOCK_SIZE",
+    "chat_sessions",
+    "agent_loops",
+    "document_qa",
+    "mooncake_conversation_like",
+    "mixed_workload",
+    "to_trace",
+    "trace_to_jsonl",
+    "write_trace",
+    "parse_line",
+    "load_trace",
+    "check_chain",
+    "reuse_upper_bound",
+    "trace_stats",
+    "format_stats",
+    "DATASETS",
+    "regenerate",
+]

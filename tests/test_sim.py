@@ -1,5 +1,6 @@
-"""The admission simulation: deterministic, conserves requests, and its event-driven loop
-equals an obvious token-by-token twin."""
+"""The one simulation loop: on a memory budget it conserves requests and its event-driven
+engine equals an obvious token-by-token twin; with a prefix cache it adds up hits; with both it
+measures each as if the other were not there (the cache model is serial, see kimilab.sim.loop)."""
 
 from collections import deque
 
@@ -7,9 +8,11 @@ import numpy as np
 import pytest
 
 from kimilab import config
-from kimilab.sim.admission import SimRequest, mixed_workload, phase_means, simulate
-from kimilab.pool.pages import (CacheShapes, JengaPages, PoolExhausted, RequestAllocator, SplitPools,
-                          UnifiedPages, VllmPaddedPages)
+from kimilab.costs import CacheShapes
+from kimilab.pool import JengaPages, PagePool, PoolExhausted, RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages
+from kimilab.prefix import HybridPrefixCache, RadixTree, make_policy
+from kimilab.sim import simulate
+from kimilab.traffic import Request, mixed_workload
 
 SHAPES = CacheShapes.from_config(config.kimi_linear_48b)
 POLICIES = [UnifiedPages(), VllmPaddedPages(), JengaPages(), SplitPools(0.9), SplitPools(4.0)]
@@ -31,8 +34,8 @@ def _reference(requests, policy, shapes, budget, step_ms=20):
     while pending or waiting or running:
         while pending and pending[0].arrival_ms <= t:
             r = pending.popleft()
-            if empty.fits(r.prompt_tokens + r.output_tokens):
-                state[r.request_id] = [0, r.prompt_tokens]
+            if empty.fits(r.input_length + r.output_length):
+                state[r.request_id] = [0, r.input_length]
                 waiting.append(r)
         while waiting and alloc.fits(state[waiting[0].request_id][1]):
             r = waiting.popleft()
@@ -55,7 +58,7 @@ def _reference(requests, policy, shapes, budget, step_ms=20):
                 continue
             gen_tok[0] += 1
             gen_tok[1] += 1
-            if gen_tok[0] == r.output_tokens:
+            if gen_tok[0] == r.output_length:
                 alloc.release(r.request_id)
                 running.remove(r)
                 completed += 1
@@ -69,22 +72,11 @@ def _reference(requests, policy, shapes, budget, step_ms=20):
     return trace, preemptions, completed
 
 
-def test_workload_is_deterministic_and_sane():
-    a, b = mixed_workload(0), mixed_workload(0)
-    assert a == b and a != mixed_workload(1)
-    assert [r.request_id for r in a] == list(range(len(a)))
-    assert all(x.arrival_ms <= y.arrival_ms for x, y in zip(a, a[1:]))
-    docs = [r for r in a if r.kind == "document"]
-    assert docs and all(20_000 <= r.arrival_ms <= 40_000 and r.prompt_tokens >= 8192 for r in docs)
-    with pytest.raises(ValueError, match="doc_window_ms"):
-        mixed_workload(0, doc_window_ms=(5, 1))
-
-
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.key}")
 def test_event_loop_equals_token_by_token_twin(policy):
     reqs = _small_workload()
     budget = 2**29
-    res = simulate(reqs, policy, SHAPES, budget)
+    res = simulate(reqs, memory=RequestAllocator(policy, SHAPES, budget))
     trace, preemptions, completed = _reference(reqs, policy, SHAPES, budget)
     got = list(zip(res.time_ms.tolist(), res.running.tolist(), res.waiting.tolist(),
                    res.requested_bytes.tolist(), res.reserved_bytes.tolist()))
@@ -94,7 +86,8 @@ def test_event_loop_equals_token_by_token_twin(policy):
 
 def test_conservation_and_pressure():
     reqs = _small_workload()
-    results = {p.key + str(i): simulate(reqs, p, SHAPES, 2**29) for i, p in enumerate(POLICIES)}
+    results = {p.key + str(i): simulate(reqs, memory=RequestAllocator(p, SHAPES, 2**29))
+               for i, p in enumerate(POLICIES)}
     for res in results.values():
         assert res.completed + res.refused == len(reqs)
         assert np.all(res.reserved_bytes <= res.capacity_bytes)
@@ -104,10 +97,51 @@ def test_conservation_and_pressure():
 
 
 def test_refusal_and_phase_means():
-    huge = [SimRequest(0, "document", 0, 10**7, 10), SimRequest(1, "chat", 0, 100, 5)]
-    res = simulate(huge, UnifiedPages(), SHAPES, 2**30)
+    huge = [Request(0, 0, 10**7, 10, kind="document"), Request(1, 0, 100, 5, kind="chat")]
+    res = simulate(huge, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30))
     assert res.refused == 1 and res.refused_ids == [0] and res.completed == 1
-    means = phase_means(res, {"all": (0, 10_000), "none": (50_000, 60_000)})
+    means = res.phase_means({"all": (0, 10_000), "none": (50_000, 60_000)})
     assert means["all"] == pytest.approx(0.8) and means["none"] == 0.0
     with pytest.raises(ValueError, match="step_ms"):
-        simulate(huge, UnifiedPages(), SHAPES, 2**30, step_ms=0)
+        simulate(huge, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30), step_ms=0)
+    with pytest.raises(ValueError, match="expected a prefix cache"):
+        simulate(huge)
+
+
+def _reference_replay(records, capacity_blocks, block_size=512):
+    """The obvious twin of a cache-only run: a radix tree served one request at a time, in order."""
+    tree = RadixTree(PagePool(capacity_blocks, 1, backed=False), block_size)
+    hits = []
+    for r in sorted(records, key=lambda r: (r.arrival_ms, r.request_id)):
+        hits.append(tree.serve(r.hash_ids, r.input_length).hit_tokens)
+    return hits
+
+
+@pytest.mark.parametrize("capacity_blocks", [8, 64, 10**6])
+def test_cache_only_run_equals_serving_the_tree_in_order(capacity_blocks, agent_trace):
+    records = agent_trace
+    res = simulate(records, cache=RadixTree(PagePool(capacity_blocks, 1, backed=False), 512),
+                   keep_per_request=True)
+    hits = _reference_replay(records, capacity_blocks)
+    assert [m.hit_tokens for m in res.per_request] == hits
+    assert res.kv_hit_tokens == res.usable_hit_tokens == sum(hits)
+    assert res.prompt_tokens == sum(r.input_length for r in records) and res.requests == len(records)
+    assert res.time_ms.size == 0 and res.completed == 0  # no memory budget: no engine timeline
+
+
+def test_cache_and_memory_together_measure_each_as_alone(agent_trace):
+    reqs = [Request(r.request_id, r.arrival_ms, r.input_length, min(r.output_length, 64), hash_ids=r.hash_ids)
+            for r in agent_trace[:300]]
+    cfg = config.kimi_linear_48b
+
+    def cache():
+        return HybridPrefixCache.for_budget(cfg, make_policy("dual"), block_size=512, capacity_tokens=200_000)
+
+    def memory():
+        return RequestAllocator(UnifiedPages(), SHAPES, 2**31)
+
+    both = simulate(reqs, cache=cache(), memory=memory())
+    alone_cache, alone_memory = simulate(reqs, cache=cache()), simulate(reqs, memory=memory())
+    assert both.as_dict() | {"wall_seconds": 0} == alone_cache.as_dict() | {"wall_seconds": 0}
+    assert both.summary() == alone_memory.summary()
+    assert np.array_equal(both.running, alone_memory.running)

@@ -1,7 +1,8 @@
-"""Workload generators and the Mooncake trace format (kimilab.workloads)."""
+"""Traffic: the one Request, the workload generators and the Mooncake trace format (kimilab.traffic)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -9,10 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kimilab.traffic import trace as wl
-from kimilab.traffic.trace import Request, TraceRecord
+import kimilab.traffic as wl
+from kimilab.traffic import Request, generators, segments
 
 DATA = Path(__file__).resolve().parents[1] / "data"
+_BLOCK_SALT = 0x6C616221  # separates trace-block token streams from other seeds
 
 SMALL = {
     "chat": lambda seed: wl.chat_sessions(6, seed=seed, system_len=40, user_len=20, reply_len=25,
@@ -100,9 +102,9 @@ def test_bad_parameters_name_the_argument():
     with pytest.raises(ValueError, match="system_len"):
         wl.mooncake_conversation_like(0, system_len=100, block_size=512)
     with pytest.raises(ValueError, match="Request.tokens"):
-        Request(0, 0, np.zeros((2, 2), np.int32), 1, 0)
-    with pytest.raises(ValueError, match="TraceRecord.output_length"):
-        TraceRecord(0, 1, -1, (0,))
+        Request(0, 0, 4, 1, tokens=np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match=r"^Request.output_length=-1: expected an int >= 0$"):
+        Request(0, 1, 1, -1, hash_ids=(0,))
 
 
 # ----------------------------------------------------------------------------- hash ids
@@ -133,29 +135,48 @@ def test_segment_ids_match_token_ids(kind, seed, block):
     """Records computed from segments (no tokens) equal to_trace of the materialised tokens."""
     reqs = SMALL[kind](seed)
     specs = {
-        "chat": lambda: wl._chat_specs(6, seed, mean_turns=4, max_turns=16, system_len=40,
+        "chat": lambda: generators._chat_specs(6, seed, mean_turns=4, max_turns=16, system_len=40,
                                        user_len=20, reply_len=25, session_rate_per_s=0.5,
                                        think_ms=20_000.0),
-        "agent": lambda: wl._agent_specs(4, seed, tool_prompt_len=70, task_len=15, mean_steps=5,
+        "agent": lambda: generators._agent_specs(4, seed, tool_prompt_len=70, task_len=15, mean_steps=5,
                                          action_len=10, tool_output_len=30, branch_prob=0.5,
                                          n_branches=3, sub_steps=3, task_rate_per_s=0.2,
                                          step_ms=3_000.0),
-        "document": lambda: wl._document_specs(30, seed, n_documents=4, system_len=20,
+        "document": lambda: generators._document_specs(30, seed, n_documents=4, system_len=20,
                                                doc_len=120, question_len=8, answer_len=12,
                                                zipf_a=1.1, followup_prob=0.3, rate_per_s=1.0),
     }[kind]()
     # vocab 97 makes accidental token equality across segments possible for tiny blocks,
     # so compare on a large vocabulary where it is not.
-    big = wl._materialise(specs, seed, 2**31 - 1)
+    big = segments.materialise(specs, seed, 2**31 - 1)
     assert [r.input_length for r in big] == [r.input_length for r in reqs]
-    assert wl._specs_to_trace(specs, block) == wl.to_trace(big, block)
+    assert segments.specs_to_trace(specs, block) == wl.to_trace(big, block)
+
+
+def record_tokens(record: Request, block_size: int, *, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """Deterministic token ids for a trace line: block ``h``'s tokens are a seeded function of ``h``.
+
+    A partial last block takes the first tokens of its id's stream, so equal ids
+    always give equal tokens and (for realistic vocabularies) different ids give
+    different tokens.
+    """
+    parts = [np.random.default_rng([_BLOCK_SALT, seed, h]).integers(0, vocab_size, block_size, np.int32)[:n]
+             for h, n in zip(record.hash_ids, record.block_lengths(block_size))]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def records_to_requests(records: list[Request], block_size: int, *, vocab_size: int) -> list[Request]:
+    """Token-level requests for a (small) trace; ``to_trace`` of them gives the ids back."""
+    return [Request(i, r.arrival_ms, r.input_length, r.output_length,
+                    tokens=record_tokens(r, block_size, vocab_size=vocab_size))
+            for i, r in enumerate(records)]
 
 
 def test_records_to_tokens_roundtrip():
     records = wl.to_trace(SMALL["agent"](4), 16)
-    reqs = wl.records_to_requests(records, 16, vocab_size=1000)
+    reqs = records_to_requests(records, 16, vocab_size=1000)
     assert wl.to_trace(reqs, 16) == records
-    again = wl.records_to_requests(records, 16, vocab_size=1000)
+    again = records_to_requests(records, 16, vocab_size=1000)
     assert same_requests(reqs, again)
 
 
@@ -227,7 +248,7 @@ def test_loader_checks_timestamp_order(tmp_path):
 
 
 def test_check_chain_detects_reparented_id(tmp_path):
-    records = [TraceRecord(0, 20, 1, (0, 1)), TraceRecord(1, 20, 1, (2, 1))]
+    records = [Request(0, 0, 20, 1, hash_ids=(0, 1)), Request(1, 1, 20, 1, hash_ids=(2, 1))]
     path = wl.write_trace(tmp_path / "c.jsonl", records)
     assert len(wl.load_trace(path, 10)) == 2
     with pytest.raises(ValueError, match=r"line 2: field 'hash_ids'\[1\]"):
@@ -256,7 +277,7 @@ def test_regenerate_is_byte_identical(tmp_path):
     assert sorted(p.name for p in written) == sorted(wl.DATASETS)
     for path in written:
         committed = DATA / path.name
-        assert committed.exists(), f"{committed} missing: run python -m kimilab.workloads regenerate data/"
+        assert committed.exists(), f"{committed} missing: run python -m kimilab traces regenerate data/"
         assert path.read_bytes() == committed.read_bytes(), f"{path.name} differs from data/"
 
 
@@ -272,11 +293,66 @@ def test_committed_traces_load_and_readme_lists_them():
     ("agent", 4, dict(tool_prompt_len=70, task_len=15, mean_steps=5, branch_prob=0.5)),
     ("document", 30, dict(n_documents=4, doc_len=120)),
 ])
-def test_generate_trace_equals_token_path(kind, n, params):
-    generator = {"chat": wl.chat_sessions, "agent": wl.agent_loops, "document": wl.document_qa}[kind]
-    tokens = generator(n, seed=7, vocab_size=2**31 - 1, **params)
-    assert wl.generate_trace(kind, n, seed=7, block_size=32, **params) == wl.to_trace(tokens, 32)
-    with pytest.raises(ValueError, match="kind"):
-        wl.generate_trace("chatty", n)
-    with pytest.raises(ValueError, match="vocab_size"):
-        wl.generate_trace(kind, n, vocab_size=10)
+def test_spec_builders_share_the_public_defaults(kind, n, params):
+    """Block ids from segments, with the public generator's defaults, equal to_trace of its tokens."""
+    public, build = {"chat": (wl.chat_sessions, generators._chat_specs),
+                     "agent": (wl.agent_loops, generators._agent_specs),
+                     "document": (wl.document_qa, generators._document_specs)}[kind]
+    defaults = {name: p.default for name, p in inspect.signature(public).parameters.items()
+                if p.kind is p.KEYWORD_ONLY and name not in ("seed", "vocab_size")}
+    assert set(params) <= set(defaults)
+    tokens = public(n, seed=7, vocab_size=2**31 - 1, **params)
+    specs = build(n, 7, **{**defaults, **params})
+    assert segments.specs_to_trace(specs, 32) == wl.to_trace(tokens, 32)
+
+
+# ----------------------------------------------------------------------------- mixed workload
+
+
+def test_mixed_workload_is_deterministic_and_windowed():
+    a, b = wl.mixed_workload(0), wl.mixed_workload(0)
+    assert a == b and a != wl.mixed_workload(1)
+    assert [r.request_id for r in a] == list(range(len(a)))
+    assert [r.arrival_ms for r in a] == sorted(r.arrival_ms for r in a)
+    assert {r.kind for r in a} == {"chat", "document"}
+    assert all(r.tokens is None and r.hash_ids is None for r in a)
+    docs = [r for r in a if r.kind == "document"]
+    assert docs and all(20_000 <= r.arrival_ms <= 40_000 and r.input_length >= 8192 for r in docs)
+    chats = [r for r in a if r.kind == "chat"]
+    assert all(64 <= r.input_length <= 4096 and 32 <= r.output_length <= 512 for r in chats)
+    with pytest.raises(ValueError, match="doc_window_ms"):
+        wl.mixed_workload(0, doc_window_ms=(5, 1))
+    with pytest.raises(ValueError, match="chat_rate_per_s"):
+        wl.mixed_workload(0, chat_rate_per_s=-1.0)
+
+
+# ----------------------------------------------------------------------------- the Request
+
+
+def test_request_forms_and_validation():
+    tok = Request(3, 10, 5, 2, tokens=np.arange(5), session=1, tenant="acme", kind="chat")
+    assert tok.tokens.dtype == np.int32 and not tok.tokens.flags.writeable and tok.hash_ids is None
+    assert tok == Request(3, 10, 5, 2, tokens=np.arange(5, dtype=np.int64), session=1, tenant="acme",
+                          kind="chat")
+    assert tok != Request(3, 10, 5, 2, tokens=np.arange(5), session=1, kind="chat")  # other tenant
+    assert len({tok, Request(3, 10, 5, 2, tokens=np.arange(5), session=1, tenant="acme", kind="chat")}) == 1
+    line = Request(0, 7, 1030, 4, hash_ids=(0, 1, 2))
+    assert line.tenant == "default" and line.kind == "" and line.tokens is None
+    assert line.n_blocks(512) == 3 and line.block_lengths(512).tolist() == [512, 512, 6]
+    assert json.loads(line.to_json()) == {"timestamp": 7, "input_length": 1030, "output_length": 4,
+                                          "hash_ids": [0, 1, 2]}
+    counted = Request(0, 0, 100, 10, kind="document")  # lengths only: admission simulations
+    with pytest.raises(ValueError, match="hash_ids=None"):
+        counted.to_json()
+    with pytest.raises(ValueError, match=r"^Request.input_length=4: expected len\(tokens\)=5$"):
+        Request(0, 0, 4, 1, tokens=np.arange(5))
+    with pytest.raises(ValueError, match=r"^Request.hash_ids\[1\]=-2: expected an int >= 0$"):
+        Request(0, 0, 20, 1, hash_ids=(0, -2))
+    with pytest.raises(ValueError, match=r"^Request.arrival_ms=True: expected an int >= 0$"):
+        Request(0, True, 1, 1)
+    with pytest.raises(ValueError, match="Request.tenant"):
+        Request(0, 0, 1, 1, tenant="")
+    with pytest.raises(ValueError, match="block_size"):
+        line.n_blocks(0)
+    with pytest.raises(ValueError, match=r"requests\[0\].tokens=None"):
+        wl.to_trace([line])

@@ -1,4 +1,7 @@
-"""The analytic memory / FLOP / roofline model in kimilab.memory."""
+"""The one analytic cost model, kimilab.costs: cache bytes, weights, FLOPs, roofline decode,
+and the records the pool (CacheShapes) and the prefix cache (CacheCosts) read from it."""
+
+import re
 
 import numpy as np
 import pytest
@@ -6,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from kimilab import costs as m
 from kimilab.ops.attention import KVCache, attention_flops
-from kimilab.config import all_mla_27, gqa_8b, kimi_linear_48b, tiny
+from kimilab.config import CACHE_KINDS, PRESETS, all_mla_27, gqa_8b, kimi_linear_48b, tiny
 
 M = 1 << 20  # 1M tokens
 K128 = 128 * 1024
@@ -30,7 +33,7 @@ def test_fixed_state_bytes():
 
 def test_request_bytes_by_kind():
     got = m.request_bytes(kimi_linear_48b, 1000)
-    assert list(got) == list(m.KINDS)
+    assert list(got) == list(CACHE_KINDS)
     assert got["kv"] == 8064 * 1000
     assert m.request_total_bytes(kimi_linear_48b, 1000) == sum(got.values())
     assert m.request_bytes(all_mla_27, 0) == {"kv": 0, "kda_state": 0, "conv_state": 0}
@@ -143,7 +146,7 @@ def test_tpot_gap_at_1m_is_computed_not_asserted():
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "10", None, True])
 def test_bad_context_lengths(bad):
-    with pytest.raises(ValueError, match="context_len"):
+    with pytest.raises(ValueError, match=re.escape(f"context_len={bad!r}: expected an int >= 0 (tokens)")):
         m.request_bytes(kimi_linear_48b, bad)
     with pytest.raises(ValueError, match="context_len"):
         m.decode_flops_per_token(kimi_linear_48b, bad)
@@ -160,15 +163,69 @@ def test_other_bad_arguments():
         m.kv_bytes_per_token("kimi_linear_48b")
     with pytest.raises(ValueError, match="n_devices"):
         m.Deployment(m.H800_CLASS, 0)
+    with pytest.raises(ValueError, match="batch"):
+        m.weight_model(kimi_linear_48b).params_read(0)
 
 
 def test_cache_anatomy_rows():
     rows = m.cache_anatomy(kimi_linear_48b)
-    assert [r["kind"] for r in rows] == list(m.KINDS)
+    assert [r["kind"] for r in rows] == list(CACHE_KINDS)
     assert rows[0]["grows_with_context"] and not rows[1]["grows_with_context"]
     assert [r["kind"] for r in m.cache_anatomy(all_mla_27)] == ["kv"]
 
 
-def test_report_lines():
-    lines = m.hybrid_vs_baseline_report(kimi_linear_48b, all_mla_27, contexts=(M,))
-    assert len(lines) == 3 and "ratio 0.2606" in lines[0] and "64 vs 16" in lines[2]
+def test_summary_compares_two_configs():
+    lines = m.summary(kimi_linear_48b, all_mla_27, contexts=(M,))
+    assert lines[0].startswith("deployment: 8 x H800-class")
+    assert len(lines) == 2 + 2 + 4
+    row = {line[:36].strip(): line[36:].split() for line in lines[2:]}
+    assert row["KV bytes per token"] == ["8,064", "31,104", "3.86x"]
+    assert row["@1,048,576: largest batch"][:2] == ["64", "16"]
+    one = m.summary(kimi_linear_48b, all_mla_27, m.Deployment(m.H800_CLASS, 1), contexts=(M,))
+    assert one[-1].split()[-3:] == ["-", "-", "-"]  # the 48B weights alone fill one device
+
+
+# ----- CacheShapes: the pool's record of the same bytes --------------------------
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_cache_shapes_are_the_functions_bytes(name):
+    cfg = PRESETS[name]
+    s = m.CacheShapes.from_config(cfg)
+    assert s.name == cfg.name
+    assert s.kv_token_bytes == m.kv_bytes_per_token_layer(cfg)
+    assert s.state_bytes == m.kda_state_bytes_per_layer(cfg)
+    assert s.conv_bytes == m.conv_state_bytes_per_layer(cfg)
+    assert s.kv_bytes_per_token == m.kv_bytes_per_token(cfg)
+    assert s.fixed_bytes == m.checkpoint_bytes(cfg)
+    for n in (0, 1, 1000, M):
+        assert s.request_bytes(n) == m.request_total_bytes(cfg, n)
+    with pytest.raises(ValueError, match="cfg: expected a kimilab.config.ModelConfig"):
+        m.CacheShapes.from_config(name)
+
+
+# ----- CacheCosts: the prefix cache's memoised FLOPs -----------------------------
+
+def test_cache_costs_come_from_the_functions():
+    costs = m.CacheCosts.of(kimi_linear_48b)
+    assert costs.config is kimi_linear_48b
+    assert costs.kv_bytes_per_token == 8064 == m.kv_bytes_per_token(kimi_linear_48b)
+    assert costs.checkpoint_bytes == m.checkpoint_bytes(kimi_linear_48b)
+    assert costs.pair_flops == m.prefill_flops(kimi_linear_48b, 1, 1) - m.prefill_flops(kimi_linear_48b, 1, 0)
+
+
+@pytest.mark.parametrize("cfg", [kimi_linear_48b, tiny, gqa_8b], ids=lambda c: c.name)
+def test_memoised_prefill_flops_equal_the_direct_call(cfg):
+    costs = m.CacheCosts.of(cfg)
+    grid = [0, 1, 63, 64, 65, 600, 1000, 4096]
+    for _ in range(2):  # second pass answers from the memo
+        for n_new in grid:
+            for n_cached in grid:
+                assert costs.prefill_flops(n_new, n_cached) == m.prefill_flops(cfg, n_new, n_cached)
+
+
+def test_flops_saved():
+    costs = m.CacheCosts.of(kimi_linear_48b)
+    assert costs.flops_saved(1000, 0) == 0
+    assert costs.flops_saved(1000, 600) == m.prefill_flops(kimi_linear_48b, 1000) - m.prefill_flops(kimi_linear_48b, 400, 600)
+    assert costs.flops_saved(1000, 1000) == m.prefill_flops(kimi_linear_48b, 1000)
+    assert 0 < costs.flops_saved(1000, 600) < costs.flops_saved(1000, 601)

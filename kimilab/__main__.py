@@ -1,0 +1,173 @@
+"""The one command line: ``python -m kimilab <command>`` (or the ``kimilab`` script).
+
+Commands:
+
+* ``prefix TRACE``          replay a Mooncake-format trace through a prefix cache; one JSON object
+* ``traces stats FILE...``  validate traces and print their statistics
+* ``traces regenerate DIR`` write the book's generated traces (byte-identical to data/)
+* ``memory``                a model's cache bytes and roofline decode time against a baseline
+* ``book``                  execute every chapter and render the book (same as ``make book``)
+
+A bad argument or a bad trace line is one line on stderr naming it, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+_FLOAT_INF = ("inf", "infinity", "unbounded")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage dump) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
+    return value
+
+
+def _capacity(text: str) -> int | None:
+    """A positive int, or ``inf`` for an unbounded cache (None)."""
+    if text.strip().lower() in _FLOAT_INF:
+        return None
+    return _positive_int(text)
+
+
+def _parser() -> _Parser:
+    from kimilab.config import PRESETS
+    from kimilab.prefix.policies import POLICIES
+
+    top = _Parser(prog="python -m kimilab", description=__doc__.splitlines()[0])
+    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("prefix", help="replay a trace through a prefix cache; print one JSON object",
+                       description="Replay a Mooncake-format trace through a dual-granularity prefix "
+                                   "cache and print one JSON object of hit rates, memory and FLOPs.")
+    p.add_argument("trace", metavar="TRACE.jsonl",
+                   help="Mooncake jsonl trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--policy", choices=sorted(POLICIES), required=True)
+    p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
+                   help="cache memory in tokens of the model's KV (N * kv_bytes_per_token bytes), shared "
+                        "by KV pages and state checkpoints; 'inf' for no limit")
+    p.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
+                   help="config preset whose bytes and FLOPs are used (default kimi_linear_48b)")
+    p.add_argument("--block-size", type=_positive_int, default=512,
+                   help="tokens per hash block and per KV page (default 512, Mooncake's)")
+    p.add_argument("--interval", type=_positive_int, default=None,
+                   help="checkpoint interval in tokens for align (default 2048) and dual (default none)")
+    p.add_argument("--alpha", type=float, default=0.005,
+                   help="dual: weight of FLOPs-per-byte vs recency (in cache turnovers; default 0.005)")
+    p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
+
+    t = sub.add_parser("traces", help="trace files: statistics, or regenerate the book's traces")
+    tsub = t.add_subparsers(dest="traces_command", required=True, parser_class=_Parser)
+    st = tsub.add_parser("stats", help="validate traces and print their statistics")
+    st.add_argument("files", nargs="+", metavar="FILE")
+    st.add_argument("--block-size", type=_positive_int, default=512)
+    rg = tsub.add_parser("regenerate", help="write the book's generated traces into DIR")
+    rg.add_argument("directory", metavar="DIR")
+
+    m = sub.add_parser("memory", help="cache bytes and roofline decode time of a model against a baseline")
+    m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS))
+    m.add_argument("--baseline", default="all_mla_27", choices=sorted(PRESETS))
+
+    b = sub.add_parser("book", help="execute every chapter and render the book")
+    b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
+    b.add_argument("--no-html", action="store_true", help="skip rendering HTML")
+    return top
+
+
+def _prefix(args, parser) -> int:
+    from kimilab.config import preset
+    from kimilab.prefix import HybridPrefixCache, make_policy
+    from kimilab.sim import simulate
+    from kimilab.traffic import load_trace
+
+    if args.policy == "kv-only" and args.interval is not None:
+        parser.error("--interval: the kv-only policy keeps no checkpoints")
+    if args.capacity_tokens is not None and args.capacity_tokens < args.block_size:
+        parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one block "
+                     f"(--block-size={args.block_size})")
+    kwargs = {}
+    if args.interval is not None:
+        kwargs["interval"] = args.interval
+    if args.policy == "dual":
+        kwargs["alpha"] = args.alpha
+    try:
+        records = load_trace(args.trace, args.block_size)
+    except (ValueError, OSError) as err:
+        parser.error(f"{args.trace}: {err}")
+    try:
+        policy = make_policy(args.policy, **kwargs)
+        cache = HybridPrefixCache.for_budget(preset(args.model), policy, block_size=args.block_size,
+                                             capacity_tokens=args.capacity_tokens,
+                                             partial_blocks=args.partial_blocks)
+    except ValueError as err:
+        parser.error(str(err))
+    result = simulate(records, cache=cache)
+    out = result.as_dict()
+    out["policy_detail"] = policy.describe()
+    print(json.dumps(out))
+    return 0
+
+
+def _traces(args, parser) -> int:
+    from kimilab.traffic import format_stats, load_trace, regenerate, trace_stats
+
+    if args.traces_command == "regenerate":
+        try:
+            paths = regenerate(args.directory)
+        except OSError as err:
+            parser.error(f"{args.directory}: {err}")
+        for path in paths:
+            print(f"wrote {path} ({path.stat().st_size} bytes)")
+        return 0
+    for path in args.files:
+        try:
+            records = load_trace(path, args.block_size)
+        except (ValueError, OSError) as err:
+            parser.error(f"{path}: {err}")
+        print(format_stats(path, trace_stats(records, args.block_size)))
+    return 0
+
+
+def _memory(args) -> int:
+    from kimilab import costs
+    from kimilab.config import preset
+
+    for line in costs.summary(preset(args.model), preset(args.baseline)):
+        print(line)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # the subcommand's parser
+    if args.command == "prefix":
+        return _prefix(args, sub)
+    if args.command == "traces":
+        return _traces(args, sub._subparsers._group_actions[0].choices[args.traces_command])
+    if args.command == "memory":
+        return _memory(args)
+    from kimilab import book
+
+    return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

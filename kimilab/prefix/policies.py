@@ -1,0 +1,209 @@
+"""Checkpoint policies: where a hybrid prefix cache keeps KDA states, and what it evicts first.
+
+A *policy* (not to be confused with a pool's page *layout*) answers two questions
+for :class:`~kimilab.prefix.hybrid.HybridPrefixCache`: after a request's blocks
+are in the tree, at which block ends should a state checkpoint be admitted; and
+how to rank evictable things (lower goes first).
+
+* ``kv-only``     a pure-attention model: states are free, usable hit = KV hit;
+* ``every-block`` a state at every block boundary (vLLM ``all``);
+* ``align``       states at prefill-chunk ends and request ends (vLLM ``align``);
+* ``dual``        states at request ends and at branch points discovered as
+                  traffic arrives, evicted by recency + FLOPs saved per byte
+                  (Marconi); optional coarse checkpoints every ``interval`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kimilab.prefix.radix import Node
+
+if TYPE_CHECKING:
+    from kimilab.prefix.hybrid import HybridPrefixCache
+
+__all__ = ["Placement", "Policy", "KVOnly", "EveryBlock", "Align", "Dual", "POLICIES", "make_policy",
+           "check_interval"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's checkpoints may go: the path after insertion and what was hit."""
+
+    path: list  # every node of the prompt now in the tree, root-side first
+    n_matched: int  # how many of them were cached before this request
+    usable_end: int  # tokens covered by the usable hit (a checkpoint or 0)
+    n_tokens: int  # prompt length
+
+
+class Policy:
+    """Base policy: where checkpoints are admitted and how evictable things are ranked.
+
+    Ranks are "lower goes first". The base ranks by last use (LRU), separately for
+    KV leaves and for checkpoints; any checkpoint of an unpinned node may be evicted.
+    """
+
+    name = "policy"
+    free_states = False  # True: states cost nothing and exist everywhere (pure attention)
+    protect_branch_points = False  # True: a checkpoint on a node with >= 2 children is kept
+
+    def positions(self, p: Placement) -> list[int]:
+        """Indices into ``p.path`` whose end should get a checkpoint."""
+        raise NotImplementedError
+
+    def now(self, cache: "HybridPrefixCache") -> float:
+        """The clock stamped on every use: requests served so far."""
+        return float(cache.tree.clock)
+
+    def kv_priority(self, cache: "HybridPrefixCache", node: Node) -> float:
+        """Rank of an evictable KV leaf (with its checkpoint, if any): its last use."""
+        return node.last_access
+
+    def checkpoint_priority(self, cache: "HybridPrefixCache", node: Node) -> float:
+        """Rank of a checkpoint evicted on its own: its last use."""
+        return node.payload.last_access
+
+    def describe(self) -> str:
+        return self.name
+
+
+def check_interval(interval, block_size: int, name: str) -> None:
+    if interval is None:
+        return
+    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval <= 0:
+        raise ValueError(f"{name}.interval={interval!r}: expected a positive int (tokens) or None")
+    if interval % block_size:
+        raise ValueError(
+            f"{name}.interval={interval}: expected a multiple of block_size={block_size} "
+            "(checkpoints sit on block boundaries)"
+        )
+
+
+class KVOnly(Policy):
+    """What a pure-attention model gets: no states to keep, usable hit = KV hit (the upper bound)."""
+
+    name = "kv-only"
+    free_states = True
+
+    def positions(self, p: Placement) -> list[int]:
+        return []
+
+
+class EveryBlock(Policy):
+    """vLLM ``all``: a state at every block boundary the request computed."""
+
+    name = "every-block"
+
+    def positions(self, p: Placement) -> list[int]:
+        return [i for i, node in enumerate(p.path) if node.end > p.usable_end]
+
+
+class Align(Policy):
+    """vLLM ``align`` / SGLang periodic: states at prefill-chunk ends and at the request end.
+
+    Prefill runs in chunks of ``interval`` tokens starting at the usable hit, so
+    chunk ends sit at ``usable + k * interval``; the last cached block is the
+    request end.
+    """
+
+    name = "align"
+
+    def __init__(self, interval: int = 2048):
+        self.interval = interval
+
+    def positions(self, p: Placement) -> list[int]:
+        out = [
+            i for i, node in enumerate(p.path)
+            if node.end > p.usable_end and (node.end - p.usable_end) % self.interval == 0
+        ]
+        last = len(p.path) - 1
+        if p.path and p.path[last].end > p.usable_end and (not out or out[-1] != last):
+            out.append(last)
+        return out
+
+    def describe(self) -> str:
+        return f"{self.name}(interval={self.interval})"
+
+
+class Dual(Policy):
+    """Marconi-style: states at request ends and at branch points found as traffic arrives.
+
+    A branch point is the deepest KV-cached node of a prompt where it leaves a
+    cached path: the node already had a child, so with this prompt it has two
+    (its KV was hit, its state did not exist, and the prefill passes through it
+    anyway). A prompt that merely extends a cached leaf creates no branch. ``interval`` adds coarse checkpoints at absolute
+    multiples of that many tokens (None: none).
+
+    Eviction ranks a unit (a leaf with its checkpoint, or a checkpoint alone) by
+    ``recency + alpha * value``. Recency is the cache's own clock at last use,
+    counted in *turnovers* (pages admitted so far / pool pages), so the rank means
+    the same at any traffic rate and memory size; value is the FLOPs the checkpoint
+    saves per byte it holds (prefill FLOPs of its prefix, per checkpoint), in units
+    of a one-block checkpoint's. ``alpha`` = turnovers of age one unit of value is
+    worth (0: plain LRU); the default was tuned coarsely on the book's traces, as
+    Marconi tunes its weight per workload. As in Marconi, a checkpoint on a node
+    with two or more children (a live branch point) is never evicted on its own.
+    """
+
+    name = "dual"
+    protect_branch_points = True
+
+    def __init__(self, interval: int | None = None, alpha: float = 0.005):
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+                alpha >= 0 and math.isfinite(alpha)):
+            raise ValueError(f"Dual.alpha={alpha!r}: expected a finite float >= 0")
+        self.interval = interval
+        self.alpha = float(alpha)
+        self._value_cache: dict[int, float] = {}
+
+    def positions(self, p: Placement) -> list[int]:
+        out = set()
+        last = len(p.path) - 1
+        if last >= 0 and p.path[last].end > p.usable_end:
+            out.add(last)  # request end
+        j = p.n_matched - 1
+        if 0 <= j < last and p.path[j].end > p.usable_end and len(p.path[j].children) >= 2:
+            out.add(j)  # branch point: the prompt leaves a cached path here (not just extends it)
+        if self.interval:
+            for i, node in enumerate(p.path):
+                if node.end > p.usable_end and node.end % self.interval == 0:
+                    out.add(i)
+        return sorted(out)
+
+    def value(self, cache: "HybridPrefixCache", end: int) -> float:
+        """FLOPs saved per byte by a checkpoint at ``end``, relative to one at the first block."""
+        v = self._value_cache.get(end)
+        if v is None:
+            v = self._value_cache[end] = (cache.costs.prefill_flops(end)
+                                          / cache.costs.prefill_flops(cache.block_size))
+        return v
+
+    def now(self, cache) -> float:
+        return cache.turnover
+
+    def kv_priority(self, cache, node) -> float:
+        if node.payload is None:
+            return node.last_access
+        return node.last_access + self.alpha * self.value(cache, node.end)
+
+    def checkpoint_priority(self, cache, node) -> float:
+        return node.payload.last_access + self.alpha * self.value(cache, node.end)
+
+    def describe(self) -> str:
+        return f"{self.name}(interval={self.interval}, alpha={self.alpha:g})"
+
+
+POLICIES = {"kv-only": KVOnly, "every-block": EveryBlock, "align": Align, "dual": Dual}
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """A fresh policy object by name (``interval=`` for align/dual, ``alpha=`` for dual)."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)
+
+

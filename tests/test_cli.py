@@ -1,0 +1,125 @@
+"""The one command line, ``python -m kimilab``: JSON out, one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimilab.__main__ import main
+from kimilab.traffic import Request, load_trace, write_trace
+
+KEYS = ["policy", "model", "block_size", "capacity_tokens", "capacity_pages", "checkpoint_pages",
+        "kv_bytes_per_token", "checkpoint_bytes_each", "requests", "prompt_tokens", "kv_hit_tokens",
+        "usable_hit_tokens", "recomputed_tokens", "kv_hit_rate", "usable_hit_rate", "checkpoints_admitted",
+        "checkpoints_evicted", "kv_bytes_peak", "checkpoint_bytes_peak", "kv_bytes_mean",
+        "checkpoint_bytes_mean", "prefill_flops_cold", "prefill_flops_saved", "prefill_flops_saved_fraction",
+        "wall_seconds", "policy_detail"]
+
+
+@pytest.fixture()
+def trace(tmp_path):
+    """Four requests in 512-token blocks: two share a branch, one extends it, one has a partial block."""
+    paths = [[0, 1, 2], [0, 1, 3, 4], [0, 5], [0, 1, 3, 4, 6]]
+    shorts = [0, 100, 200, 300]
+    recs = [Request(t, t, len(p) * 512 - short, 1,
+                    hash_ids=tuple(hash((tuple(p[: j + 1]), short if j == len(p) - 1 else 0)) % 10**9
+                                   for j in range(len(p))))
+            for t, (p, short) in enumerate(zip(paths, shorts))]
+    return write_trace(tmp_path / "t.jsonl", recs)
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_prefix_prints_one_json_object_with_the_documented_keys(trace, capsys):
+    out = run_json(capsys, ["prefix", str(trace), "--capacity-tokens", "100000", "--policy", "dual"])
+    assert list(out) == KEYS
+    assert out["requests"] == 4 and out["policy"] == "dual" and out["model"] == "kimi_linear_48b"
+    assert out["usable_hit_tokens"] <= out["kv_hit_tokens"]
+    assert out["recomputed_tokens"] == out["prompt_tokens"] - out["usable_hit_tokens"]
+
+
+def test_unbounded_capacity_equals_a_huge_one_and_needs_no_huge_memory(capsys, data_dir):
+    """`inf` and 10^13 tokens (which once tried to allocate 146 GiB of bookkeeping) give the same hits."""
+    agent = str(data_dir / "agent.jsonl")
+    inf = run_json(capsys, ["prefix", agent, "--capacity-tokens", "inf", "--policy", "every-block"])
+    huge = run_json(capsys, ["prefix", agent, "--capacity-tokens", "10000000000000", "--policy", "every-block"])
+    assert inf["capacity_tokens"] == "inf" and huge["capacity_tokens"] == 10**13
+    for key in ("kv_hit_tokens", "usable_hit_tokens", "checkpoints_admitted", "kv_bytes_peak"):
+        assert inf[key] == huge[key]
+    assert inf["checkpoints_evicted"] == 0
+
+
+def test_module_and_console_entry_points(trace):
+    proc = subprocess.run([sys.executable, "-m", "kimilab", "prefix", str(trace), "--capacity-tokens",
+                           "100000", "--policy", "kv-only"], capture_output=True, text=True, check=True)
+    out = json.loads(proc.stdout)
+    assert out["checkpoint_bytes_peak"] == 0 and out["usable_hit_tokens"] == out["kv_hit_tokens"]
+    script = Path(sys.executable).parent / "kimilab"
+    if script.exists():  # installed by `pip install -e .` (make setup)
+        again = subprocess.run([str(script), "prefix", str(trace), "--capacity-tokens", "100000",
+                                "--policy", "kv-only"], capture_output=True, text=True, check=True)
+        assert json.loads(again.stdout)["kv_hit_tokens"] == out["kv_hit_tokens"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--capacity-tokens", "1000", "--policy", "lru"], "--policy: invalid choice"),
+    (["--capacity-tokens", "-5", "--policy", "dual"], "--capacity-tokens: -5 must be a positive int"),
+    (["--capacity-tokens", "lots", "--policy", "dual"], "--capacity-tokens: 'lots' is not an int"),
+    (["--capacity-tokens", "100", "--policy", "dual"], "at least one block"),
+    (["--capacity-tokens", "10000", "--policy", "dual", "--model", "nope"], "--model: invalid choice"),
+    (["--capacity-tokens", "10000", "--policy", "align", "--interval", "700"], "multiple of block_size"),
+    (["--capacity-tokens", "10000", "--policy", "kv-only", "--interval", "1024"], "--interval"),
+    (["--policy", "dual"], "--capacity-tokens"),
+])
+def test_bad_arguments_are_one_line_naming_the_argument(trace, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["prefix", str(trace)] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_bad_trace_line_is_named_in_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+                   '{"timestamp": 1, "input_length": 10, "output_length": 1}\n')
+    for argv in (["prefix", str(bad), "--capacity-tokens", "10000", "--policy", "dual"],
+                 ["traces", "stats", str(bad)]):
+        proc = subprocess.run([sys.executable, "-m", "kimilab", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        assert f"{bad}: line 2: field 'hash_ids' missing" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kimilab", "traces", "stats", str(tmp_path / "nope.jsonl")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope.jsonl" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_traces_stats_and_regenerate(tmp_path, capsys, data_dir):
+    DATA = data_dir
+    assert main(["traces", "stats", str(DATA / "agent.jsonl"), str(DATA / "chat.jsonl")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{DATA / 'agent.jsonl'}: requests=")
+    assert main(["traces", "regenerate", str(tmp_path)]) == 0
+    for name in ("agent.jsonl", "chat.jsonl", "document.jsonl", "conversation_like.jsonl"):
+        assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
+    assert len(load_trace(tmp_path / "agent.jsonl")) == len(load_trace(DATA / "agent.jsonl"))
+
+
+def test_memory_prints_the_cost_summary(capsys):
+    assert main(["memory"]) == 0
+    out = capsys.readouterr().out
+    assert "kimi_linear_48b" in out and "all_mla_27" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--model", "nope"])
+    assert exc.value.code == 2
+
+
+def test_no_command_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2 and capsys.readouterr().err.count("\n") == 1
