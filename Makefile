@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 
 # Execute every chapter in order, store outputs, save figures/, render _build/html/.
 book: $(STAMP)
-	$(BIN)/python -m kimilab.book
+	$(BIN)/python -m kimilab book
 
 # Unit + property tests, then strict nbval over every executed chapter.
 test: $(STAMP)

@@ -31,17 +31,15 @@
 # are exact, the numbers it produces mean nothing as language.
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 
-import kimilab.memory as memory
-from kimilab import plots
-from kimilab.attention import KVCache, causal_attention, decode_flops, decode_step, reference_causal_attention
-from kimilab.checks import check
+from kimilab import costs, plots
 from kimilab.config import all_mla_27, gqa_8b, kimi_linear_48b, tiny
+from kimilab.exercises import check
 from kimilab.notebook import show_source
+from kimilab.ops.attention import KVCache, causal_attention, decode_flops, decode_step, reference_causal_attention
+from kimilab.timing import best_seconds
 
 plots.use_style()
 rng = np.random.default_rng(0)
@@ -213,19 +211,11 @@ plt.show()
 # cell's output is not checked and will differ on your machine). For each context L we
 # first fill the caches with L − 1 tokens in one prefill call, then time single decode
 # steps (best of 5); the no-cache path times one full forward over L tokens (best of 3).
+# `kimilab.timing.best_seconds` keeps the fastest run, the one least disturbed by other
+# work on the machine.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-def best_seconds(fn, repeats):
-    """Fastest of a few runs (like timeit): the least disturbed by other processes."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 timed_contexts = [32, 64, 128, 256, 512]
 t_cached, t_nocache = [], []
 for n in timed_contexts:
@@ -264,13 +254,13 @@ plt.show()
 # ## What the cache costs: bytes
 #
 # The work saved is paid for in memory. A layer caches, for every token, a key and a
-# value per KV head: `2 × Hkv × D` numbers. The analytic model in `kimilab.memory`
+# value per KV head: `2 × Hkv × D` numbers. The analytic model in `kimilab.costs`
 # counts these bytes for any `ModelConfig` without building an array. First we check it
 # against real arrays: the book's runnable `tiny` config has 2 global layers of 4 KV
 # heads × 32 dims, stored in float64.
 
 # %%
-show_source(memory.kv_bytes_per_token)
+show_source(costs.kv_bytes_per_token)
 
 # %%
 tiny_caches = [KVCache(tiny.attn_kv_heads_eff, tiny.attn_head_dim_eff, dtype=tiny.dtype) for _ in tiny.attn_layers]
@@ -281,7 +271,7 @@ for n_tokens in (1, 100, 1000):
         cache.append(rng.standard_normal((extra, cache.n_kv_heads, cache.head_dim)),
                      rng.standard_normal((extra, cache.n_kv_heads, cache.value_dim)))
     measured = sum(cache.nbytes for cache in tiny_caches)
-    analytic = memory.request_bytes(tiny, n_tokens)["kv"]
+    analytic = costs.request_bytes(tiny, n_tokens)["kv"]
     print(f"tiny, {n_tokens:4d} tokens: measured {measured:8d} B, analytic {analytic:8d} B, equal: {measured == analytic}")
 
 # %% [markdown]
@@ -300,13 +290,13 @@ for n_tokens in (1, 100, 1000):
 # %%
 print(f"{'model':16} {'global layers':>13} {'B/token/layer':>14} {'B/token':>9} {'at 128k':>10} {'at 1M':>10}")
 for cfg in (kimi_linear_48b, all_mla_27, gqa_8b):
-    per_layer = memory.kv_bytes_per_token_layer(cfg)
-    per_token = memory.kv_bytes_per_token(cfg)
+    per_layer = costs.kv_bytes_per_token_layer(cfg)
+    per_token = costs.kv_bytes_per_token(cfg)
     print(f"{cfg.name:16} {len(cfg.attn_layers):13d} {per_layer:14,d} {per_token:9,d} "
           f"{per_token * 2**17 / 1e9:8.2f} GB {per_token * 2**20 / 1e9:8.2f} GB")
-print(f"hybrid / all-MLA KV bytes per token: {memory.kv_bytes_per_token(kimi_linear_48b) / memory.kv_bytes_per_token(all_mla_27):.4f}"
+print(f"hybrid / all-MLA KV bytes per token: {costs.kv_bytes_per_token(kimi_linear_48b) / costs.kv_bytes_per_token(all_mla_27):.4f}"
       f"  (= 7/27 = {7 / 27:.4f})")
-print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {memory.checkpoint_bytes(kimi_linear_48b) / 1e6:.1f} MB")
+print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {costs.checkpoint_bytes(kimi_linear_48b) / 1e6:.1f} MB")
 
 # %% [markdown]
 # The hybrid caches 7/27 ≈ 26% of the all-MLA baseline's KV bytes: the tech report's
@@ -317,10 +307,10 @@ print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {memory.check
 lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
 fig, ax = plt.subplots()
 for cfg, key in ((gqa_8b, "gqa"), (all_mla_27, "all-mla"), (kimi_linear_48b, "hybrid")):
-    kv = np.array([memory.request_bytes(cfg, int(n))["kv"] for n in lengths]) / 1e9
+    kv = np.array([costs.request_bytes(cfg, int(n))["kv"] for n in lengths]) / 1e9
     ax.loglog(lengths, kv, **plots.style_of(key))
-weights_48b = memory.weight_bytes(kimi_linear_48b) / 1e9
-weights_8b = memory.weight_bytes(gqa_8b) / 1e9
+weights_48b = costs.weight_bytes(kimi_linear_48b) / 1e9
+weights_8b = costs.weight_bytes(gqa_8b) / 1e9
 ax.axhline(weights_48b, linestyle="--", color=plots.color("weights"),
            label=f"{plots.label('weights')}, 48B bf16 ({weights_48b:.0f} GB)")
 ax.axhline(weights_8b, linestyle=":", color=plots.color("weights"),
@@ -340,10 +330,10 @@ plt.show()
 # %% [markdown]
 # ## Why the cache, not the weights, limits long-context serving
 #
-# Two consequences, computed with the roofline model in `kimilab.memory` (its hardware
+# Two consequences, computed with the roofline model in `kimilab.costs` (its hardware
 # numbers are *assumptions*, an H800-class accelerator: 80 GB of HBM at 3.35 TB/s; 48B
 # bf16 weights need 96 GB, so the 48B models get an 8-device node, the 8B model one
-# device; see the module docstring).
+# device; see `kimilab.costs.hardware`).
 #
 # 1. **Capacity.** The weights are stored once and shared by every request; each
 #    request brings its own cache. The memory left after the weights, divided by one
@@ -353,15 +343,15 @@ plt.show()
 #    the whole cache of its request. At long context the cache is most of the bytes.
 
 # %%
-node, one_device = memory.DEFAULT_DEPLOYMENT, memory.Deployment(memory.H800_CLASS, 1)
+node, one_device = costs.DEFAULT_DEPLOYMENT, costs.Deployment(costs.H800_CLASS, 1)
 print(f"{'model':16} {'context':>8} {'fits (requests)':>16} {'cache share of bytes read, batch 1':>36}")
 for cfg, deployment in ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, one_device)):
     for n in (8192, 2**17, 2**20):
-        fits = memory.max_batch(cfg, n, deployment)
-        cache_read = memory.request_total_bytes(cfg, n)
-        share = cache_read / memory.decode_step_bytes(cfg, n, batch=1)
+        fits = costs.max_batch(cfg, n, deployment)
+        cache_read = costs.request_total_bytes(cfg, n)
+        share = cache_read / costs.decode_step_bytes(cfg, n, batch=1)
         print(f"{cfg.name:16} {n:8d} {fits:16d} {share:35.1%}")
-    crossover = memory.weight_bytes_read(cfg, 1) / memory.kv_bytes_per_token(cfg)
+    crossover = costs.weight_bytes_read(cfg, 1) / costs.kv_bytes_per_token(cfg)
     print(f"{'':16} cache read = active weights read at {crossover:,.0f} tokens")
 
 # %% [markdown]
@@ -397,7 +387,7 @@ for cfg, deployment in ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, on
 # %%
 answer = None  # your number of bytes per token
 mha_8b = gqa_8b.with_(attn_kind="mha", attn_kv_heads=32)
-check(answer, memory.kv_bytes_per_token(mha_8b), name="MHA bytes per token",
+check(answer, costs.kv_bytes_per_token(mha_8b), name="MHA bytes per token",
       hint="layers x 2 (K and V) x KV heads x head dim x 2 bytes (bf16).")
 
 # %% [markdown]
@@ -409,11 +399,11 @@ check(answer, memory.kv_bytes_per_token(mha_8b), name="MHA bytes per token",
 #
 # 2. **Where the cache equals the weights.** At what context length does one all-MLA
 #    request's KV cache hold as many bytes as all 96 GB of the 48B model's weights?
-#    (Hint: `memory.weight_bytes(all_mla_27)` and `memory.kv_bytes_per_token(all_mla_27)`.)
+#    (Hint: `costs.weight_bytes(all_mla_27)` and `costs.kv_bytes_per_token(all_mla_27)`.)
 
 # %%
 answer = None  # a context length in tokens
-check(answer, memory.weight_bytes(all_mla_27) / memory.kv_bytes_per_token(all_mla_27),
+check(answer, costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27),
       name="cache = weights", rtol=1e-3, hint="divide the weight bytes by the KV bytes per token.")
 
 # %% [markdown]

@@ -34,17 +34,16 @@
 # model is involved. Timings are CPU timings on whatever machine runs the notebook.
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 
-import kimilab.memory as memory
-from kimilab import kda, plots
-from kimilab.attention import KVCache
-from kimilab.checks import check
+from kimilab import costs, kda, plots
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
+from kimilab.exercises import check
+from kimilab.kda.testing import random_inputs
 from kimilab.notebook import show_source
+from kimilab.ops.attention import KVCache
+from kimilab.timing import best_seconds
 
 plots.use_style()
 rng = np.random.default_rng(0)
@@ -161,7 +160,7 @@ print("error with 8 pairs stored: linear attention "
 # This is the package's one-token update, shared by the sequence loop and by decode:
 
 # %%
-show_source(kda._recurrent_update)
+show_source(kda.recurrent._recurrent_update)
 
 # %%
 show_source(kda.recurrent_kda)
@@ -251,7 +250,7 @@ show_source(kda.chunk_kda)
 # zeroes the bounded upper triangle after the product:
 
 # %%
-show_source(kda._block_sizes)
+show_source(kda.chunk._block_sizes)
 
 # %% [markdown]
 # The UT transform needs `(I + L)^-1` applied to `diag(beta) exp(G) K` and
@@ -262,7 +261,7 @@ show_source(kda._block_sizes)
 # it against `np.linalg.solve` on the same stack.
 
 # %%
-show_source(kda._unit_lower_solve)
+show_source(kda.chunk._unit_lower_solve)
 
 # %% [markdown]
 # ### Chunked == recurrent
@@ -270,28 +269,15 @@ show_source(kda._unit_lower_solve)
 # The two forms must agree to rounding error. We try ragged lengths, chunk sizes that
 # do not divide T, strong and weak gates, with and without an initial state, in
 # float64 (the test suite does the same with hypothesis over thousands of shapes).
+# The inputs come from `random_inputs` in `kimilab.kda.testing`, the one seeded
+# generator the tests and `make bench` draw from too: `"kimi-init"` gates are those of
+# a freshly initialised layer, `"strong"` ones decay by up to e^-20 per step.
 
 # %%
-def kda_inputs(T, H, K, V, seed, gate="kimi-init", dtype=np.float64):
-    """Seeded KDA inputs in the [T, H, ...] layout; 'kimi-init' gates follow the layer's init."""
-    r = np.random.default_rng(seed)
-    q = kda.l2_normalize(r.standard_normal((T, H, K)))
-    k = kda.l2_normalize(r.standard_normal((T, H, K)))
-    v = r.standard_normal((T, H, V))
-    if gate == "kimi-init":
-        dt = np.geomspace(1e-3, 1e-1, H * K)
-        g = kda.kda_gate(0.5 * r.standard_normal((T, H, K)), np.log(r.uniform(1, 16, H)), np.log(np.expm1(dt)))
-    else:  # "strong": per-step decays up to e^-20
-        g = -r.uniform(0.0, 20.0, (T, H, K))
-    beta = kda.beta_from_logits(r.standard_normal((T, H)))
-    S0 = r.standard_normal((H, K, V))
-    return [x.astype(dtype) for x in (q, k, v, g, beta)], S0.astype(dtype)
-
-
 print(f"{'T':>5} {'chunk':>5} {'gates':>9} {'S0':>5}  max|chunked - recurrent| < 1e-10 (outputs, final state)")
 for T_, C_, gate, with_state in [(64, 64, "kimi-init", False), (100, 64, "kimi-init", True), (257, 64, "strong", True),
                                  (77, 16, "kimi-init", True), (33, 7, "strong", False)]:
-    args, S0 = kda_inputs(T_, 3, 16, 8, seed=T_, gate=gate)
+    args, S0 = random_inputs(T_, 3, 16, 8, seed=T_, gate=gate)
     init = S0 if with_state else None
     o_r, s_r = kda.recurrent_kda(*args, initial_state=init)
     o_c, s_c = kda.chunk_kda(*args, initial_state=init, chunk_size=C_)
@@ -301,7 +287,7 @@ for T_, C_, gate, with_state in [(64, 64, "kimi-init", False), (100, 64, "kimi-i
 # In float32 (how the model is served) the two forms differ by float32 rounding only:
 
 # %%
-args32, S0_32 = kda_inputs(1000, 4, 64, 64, seed=5, dtype=np.float32)
+args32, S0_32 = random_inputs(1000, 4, 64, 64, seed=5, dtype=np.float32)
 o_r, s_r = kda.recurrent_kda(*args32, initial_state=S0_32)
 o_c, s_c = kda.chunk_kda(*args32, initial_state=S0_32)
 rel = np.abs(o_c - o_r).max() / np.abs(o_r).max()
@@ -312,7 +298,7 @@ print(f"float32, T=1000, H=4, K=V=64: dtype {o_c.dtype}, relative difference < 1
 # kernel, so a request can be prefilled in chunks and then decoded token by token:
 
 # %%
-args, S0 = kda_inputs(40, 2, 8, 8, seed=3)
+args, S0 = random_inputs(40, 2, 8, 8, seed=3)
 o_seq, s_seq = kda.recurrent_kda(*args, initial_state=S0)
 S_loop, outs = S0, []
 for t in range(40):
@@ -331,12 +317,12 @@ print(f"40 kda_step calls == recurrent_kda: outputs {close(outs, o_seq)}, state 
 H_t, D_t = tiny.n_heads, tiny.head_dim
 print(f"{'tokens':>7} {'KDA state bytes':>16} {'KV cache bytes (1 layer)':>25}")
 for n_tokens in (64, 512, 4096):
-    args, _ = kda_inputs(n_tokens, H_t, D_t, D_t, seed=1)
+    args, _ = random_inputs(n_tokens, H_t, D_t, D_t, seed=1)
     _, state = kda.chunk_kda(*args)
     kv = KVCache(H_t, D_t, dtype="float64")
     kv.append(rng.standard_normal((n_tokens, H_t, D_t)), rng.standard_normal((n_tokens, H_t, D_t)))
     print(f"{n_tokens:7d} {state.nbytes:16,d} {kv.nbytes:25,d}")
-print(f"analytic KDA state per layer (tiny): {memory.kda_state_bytes_per_layer(tiny):,d} B")
+print(f"analytic KDA state per layer (tiny): {costs.kda_state_bytes_per_layer(tiny):,d} B")
 
 # %% [markdown]
 # At real scale (BOOK.md: Kimi-Linear-48B has 20 KDA layers of 32 heads x 128 x 128,
@@ -345,16 +331,16 @@ print(f"analytic KDA state per layer (tiny): {memory.kda_state_bytes_per_layer(t
 
 # %%
 lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
-state_total = memory.kda_state_bytes(kimi_linear_48b)
+state_total = costs.kda_state_bytes(kimi_linear_48b)
 print(f"Kimi-Linear-48B KDA state per request: {state_total / 2**20:.0f} MiB "
-      f"({memory.kda_state_bytes_per_layer(kimi_linear_48b) / 2**20:.0f} MiB per layer x "
-      f"{kimi_linear_48b.layer_pattern.count('K')} layers); conv states {memory.conv_state_bytes(kimi_linear_48b) / 2**20:.1f} MiB")
-crossover = state_total / memory.kv_bytes_per_token(kimi_linear_48b)
+      f"({costs.kda_state_bytes_per_layer(kimi_linear_48b) / 2**20:.0f} MiB per layer x "
+      f"{kimi_linear_48b.layer_pattern.count('K')} layers); conv states {costs.conv_state_bytes(kimi_linear_48b) / 2**20:.1f} MiB")
+crossover = state_total / costs.kv_bytes_per_token(kimi_linear_48b)
 print(f"the hybrid's 7 MLA layers cache as many bytes as its 20 KDA states after {crossover:,.0f} tokens")
 
 fig, ax = plt.subplots()
-ax.loglog(lengths, [memory.request_bytes(all_mla_27, int(n))["kv"] / 1e9 for n in lengths], **plots.style_of("all-mla"))
-ax.loglog(lengths, [memory.request_bytes(kimi_linear_48b, int(n))["kv"] / 1e9 for n in lengths], linestyle="--",
+ax.loglog(lengths, [costs.request_bytes(all_mla_27, int(n))["kv"] / 1e9 for n in lengths], **plots.style_of("all-mla"))
+ax.loglog(lengths, [costs.request_bytes(kimi_linear_48b, int(n))["kv"] / 1e9 for n in lengths], linestyle="--",
           color=plots.color("kv-cache"), label=f"{plots.label('kv-cache')}, hybrid's 7 MLA layers")
 ax.loglog(lengths, np.full(len(lengths), state_total / 1e9),
           color=plots.color("kda-state"), label=f"{plots.label('kda-state')}, hybrid's 20 KDA layers (fp32)")
@@ -384,7 +370,7 @@ plt.show()
 show_source(kda.segment_transition)
 
 # %%
-(q2, k2, v2, g2, b2), _ = kda_inputs(80, 1, 4, 4, seed=11)
+(q2, k2, v2, g2, b2), _ = random_inputs(80, 1, 4, 4, seed=11)
 A, B = slice(0, 50), slice(50, 80)
 
 # linear attention: the state of AB is the state of A plus the state of B
@@ -413,7 +399,7 @@ print(f"  C_B is S(B) from zero: {close(C_B, S_B)}")
 # `(M, S)` pairs and merges them in rank order), but never reordered:
 
 # %%
-(q3, k3, v3, g3, b3), S0 = kda_inputs(150, 2, 8, 8, seed=12)
+(q3, k3, v3, g3, b3), S0 = random_inputs(150, 2, 8, 8, seed=12)
 cuts = [0, 40, 97, 150]
 maps = [kda.segment_transition(k3[a:b], v3[a:b], g3[a:b], b3[a:b]) for a, b in zip(cuts, cuts[1:])]
 left_to_right = kda.compose_transitions(kda.compose_transitions(maps[0], maps[1]), maps[2])
@@ -465,19 +451,10 @@ plt.show()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-def best_seconds(fn, repeat=3):
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 times_rec, times_chunk = [], []
 for t in T_values:
-    args, _ = kda_inputs(int(t), H_b, K_b, K_b, seed=0, dtype=np.float32)
-    times_rec.append(best_seconds(lambda: kda.recurrent_kda(*args), repeat=1 if t >= 2048 else 2))
+    args, _ = random_inputs(int(t), H_b, K_b, K_b, seed=0, dtype=np.float32)
+    times_rec.append(best_seconds(lambda: kda.recurrent_kda(*args), repeats=1 if t >= 2048 else 2))
     times_chunk.append(best_seconds(lambda: kda.chunk_kda(*args)))
 fig, ax = plt.subplots()
 ax.loglog(T_values, 1e3 * np.array(times_rec), marker="o", **plots.style_of("recurrent"))
@@ -543,5 +520,5 @@ check(answer_M, np.eye(3), name="M of a do-nothing segment", atol=1e-12,
 # *Solution:* `M = I` and `C = 0`: the identity transition (`kda.identity_transition`).
 #
 # **3.** (Open) Re-run the "chunked == recurrent" cell with `gate="strong"` and a
-# long T, and print `kda._block_sizes` for its chunks. Why do strong gates force
+# long T, and print `kda.chunk._block_sizes` for its chunks. Why do strong gates force
 # smaller blocks, and what would go wrong if the exponents were masked *after* `exp`?

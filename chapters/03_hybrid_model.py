@@ -39,20 +39,17 @@
 # CPU speeds.
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyBboxPatch, Patch
 
-import kimilab.memory as memory
-from kimilab import kda, plots
-from kimilab.cache import HybridCache
-from kimilab.checks import check
+from kimilab import costs, kda, plots
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
-from kimilab.conv import causal_conv1d, causal_conv1d_step
-from kimilab.model import Model
+from kimilab.exercises import check
+from kimilab.model import HybridCache, KDALayer, Model
 from kimilab.notebook import show_source
+from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
+from kimilab.timing import best_seconds
 from kimilab.tokenizer import ByteTokenizer
 
 plots.use_style()
@@ -75,7 +72,7 @@ def kib(n):
 # attention) and the sizes of everything. `tiny` is the model this book runs;
 # `kimi_linear_48b` has the real shapes from BOOK.md (27 layers, MLA at 1-based layers
 # 4, 8, 12, 16, 20, 24, 27 — 20 KDA : 7 MLA) and is *shapes only*: it feeds the
-# analytic memory model, and asking for its weights is an error.
+# analytic cost model (`kimilab.costs`), and asking for its weights is an error.
 
 # %%
 rows = [("layer_pattern", "layer_pattern"), ("d_model", "d_model"), ("KDA heads x head dim", None),
@@ -107,9 +104,9 @@ model = Model(tiny, seed=0)
 print(model)
 
 H, K, W = tiny.n_heads, tiny.head_dim, tiny.conv_kernel
-kda_layer_bytes = memory.kda_state_bytes_per_layer(tiny)
-conv_layer_bytes = memory.conv_state_bytes_per_layer(tiny)
-kv_layer_token = memory.kv_bytes_per_token_layer(tiny)
+kda_layer_bytes = costs.kda_state_bytes_per_layer(tiny)
+conv_layer_bytes = costs.conv_state_bytes_per_layer(tiny)
+kv_layer_token = costs.kv_bytes_per_token_layer(tiny)
 
 fig, ax = plt.subplots(figsize=(9.0, 3.6))
 for i, kind in enumerate(tiny.layer_pattern):
@@ -155,10 +152,13 @@ plt.show()
 # `g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)` from a low-rank projection
 # (d_model -> head_dim -> H*K); `beta = sigmoid(b_proj x)`; then the KDA recurrence of
 # chapter 2; then a per-head RMSNorm (eps 1e-5) times a sigmoid output gate, and the
-# output projection. This is the model's code for everything before the recurrence:
+# output projection. The model's layers are objects with three public steps —
+# `project` (everything per token before the recurrence), `mix` (the recurrence) and
+# `output` — so that later chapters can run them on a slice of a sequence. This is
+# `KDALayer.project`:
 
 # %%
-show_source(Model._kda_inputs)
+show_source(KDALayer.project)
 
 # %% [markdown]
 # The short convolution is the one new cache. Channel c of the output at step t mixes
@@ -188,10 +188,10 @@ print("split at 7 == whole:   ", same(np.concatenate([y_a, y_b]), y_whole), "| s
 print("20 single steps == whole:", same(np.stack(steps), y_whole))
 
 # %% [markdown]
-# After the recurrence, the output path: normalise each head, gate it, project back.
+# After the recurrence, `KDALayer.output`: normalise each head, gate it, project back.
 
 # %%
-show_source(Model._kda_output)
+show_source(KDALayer.output)
 
 # %% [markdown]
 # ## Text in, text out
@@ -213,32 +213,33 @@ print("as text:", repr(tok.decode(generated)))
 # %% [markdown]
 # ## The per-request cache
 #
-# The model reads and writes a request's memory only through a small protocol
-# (`kda_state(i)`, `conv_state(i)`, `append_kv(i, k, v)`, `kv(i)`, `advance(n)`,
-# `nbytes_by_kind()`, `clone()`, `checkpoint()`). `HybridCache` implements it with
-# contiguous arrays; chapter 4 implements the same protocol on pool pages, and the model
-# does not notice the difference.
+# The model reads and writes a request's memory only through a small protocol,
+# `kimilab.model.CacheProtocol` (`kda_state(i)`, `conv_state(i)`, `append_kv(i, k, v)`,
+# `kv(i)`, `advance(n)`, `truncate(n, checkpoint)`, `nbytes_by_kind()`, `clone()`,
+# `checkpoint()`). `HybridCache` implements it with contiguous arrays; chapter 4
+# implements the same protocol on pool pages, and the model does not notice the
+# difference.
 #
 # Here is the anatomy of one request after 100 tokens, measured from the cache and
-# computed independently by `kimilab.memory` (the analytic model later chapters use for
+# computed independently by `kimilab.costs` (the analytic model later chapters use for
 # the 48B shapes).
 
 # %%
 cache = model.new_cache()
 model.prefill(rng.integers(0, 256, size=100), cache)
 measured = cache.nbytes_by_kind()
-analytic = memory.request_bytes(tiny, 100)
+analytic = costs.request_bytes(tiny, 100)
 shape = {"kv": f"2 x [T, {tiny.attn_kv_heads_eff}, {tiny.attn_head_dim_eff}]",
          "kda_state": f"[{H}, {K}, {K}]", "conv_state": f"[{W - 1}, {tiny.conv_channels}]"}
 print(f"{'kind':11s} {'layers':>6s}  {'per-layer shape':20s} {'bytes per layer':>22s} "
       f"{'total at T=100':>15s}  grows with T")
-for row in memory.cache_anatomy(tiny):
+for row in costs.cache_anatomy(tiny):
     kind = row["kind"]
     per = f"{row['bytes_per_layer']:,} B {row['unit']}"
     print(f"{kind:11s} {row['layers']:6d}  {shape[kind]:20s} {per:>22s} {measured[kind]:>13,} B  "
           f"{'yes' if row['grows_with_context'] else 'no'}")
 print(f"{'total':11s} {'':6s}  {'':20s} {'':>22s} {cache.nbytes:>13,} B")
-print("measured == kimilab.memory for every kind:", measured == analytic)
+print("measured == kimilab.costs for every kind:", measured == analytic)
 
 # %% [markdown]
 # At T = 100 the KV cache of just two layers is already the largest part. The fixed
@@ -254,9 +255,18 @@ print("measured == kimilab.memory for every kind:", measured == analytic)
 #   its K and V and attends over everything cached.
 # - `decode(token, cache)`: one token; KDA takes one recurrent step (`kda_step`), the
 #   conv takes one step, attention reads the whole KV cache.
+#
+# All three run the same layer loop; only the KDA kernel (`"recurrent"`, `"chunk"` or
+# `"step"`) and the cache differ:
 
 # %%
-show_source(Model.decode)
+show_source(Model._run)
+
+# %% [markdown]
+# Each layer object does its part against the cache; here is the KDA layer's:
+
+# %%
+show_source(KDALayer.__call__)
 
 # %% [markdown]
 # We take a 100-token prompt (two chunks: 64 + 36) and compare the logits
@@ -339,14 +349,14 @@ print(counts, f"(one call per KDA layer; {len(tiny.kda_layers)} KDA layers)")
 # %%
 for cfg in (kimi_linear_48b, all_mla_27):
     print(cfg.name)
-    for row in memory.cache_anatomy(cfg):
+    for row in costs.cache_anatomy(cfg):
         print(f"  {row['kind']:11s} {row['layers']:3d} layers x {row['bytes_per_layer']:>10,} B {row['unit']:11s}"
               f" grows with T: {'yes' if row['grows_with_context'] else 'no'}")
 
 contexts = np.unique(np.round(np.logspace(10, 20, 41, base=2)).astype(int))
-hybrid_gb = np.array([memory.request_total_bytes(kimi_linear_48b, int(n)) for n in contexts]) / 1e9
-mla_gb = np.array([memory.request_total_bytes(all_mla_27, int(n)) for n in contexts]) / 1e9
-fixed_gb = memory.checkpoint_bytes(kimi_linear_48b) / 1e9
+hybrid_gb = np.array([costs.request_total_bytes(kimi_linear_48b, int(n)) for n in contexts]) / 1e9
+mla_gb = np.array([costs.request_total_bytes(all_mla_27, int(n)) for n in contexts]) / 1e9
+fixed_gb = costs.checkpoint_bytes(kimi_linear_48b) / 1e9
 
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.0, 4.0))
 ax.loglog(contexts, mla_gb, **plots.style_of("all-mla"))
@@ -375,12 +385,12 @@ plt.show()
 # KV has taken over and the saving approaches 20/27 = 74%, the tech report's "up to 75%".
 
 # %%
-per_token_saved = memory.kv_bytes_per_token(all_mla_27) - memory.kv_bytes_per_token(kimi_linear_48b)
-print(f"fixed states {memory.checkpoint_bytes(kimi_linear_48b):,} B; KV per token: hybrid "
-      f"{memory.kv_bytes_per_token(kimi_linear_48b):,} B, all-MLA {memory.kv_bytes_per_token(all_mla_27):,} B")
-print(f"hybrid holds less from {memory.checkpoint_bytes(kimi_linear_48b) // per_token_saved + 1:,} tokens on")
+per_token_saved = costs.kv_bytes_per_token(all_mla_27) - costs.kv_bytes_per_token(kimi_linear_48b)
+print(f"fixed states {costs.checkpoint_bytes(kimi_linear_48b):,} B; KV per token: hybrid "
+      f"{costs.kv_bytes_per_token(kimi_linear_48b):,} B, all-MLA {costs.kv_bytes_per_token(all_mla_27):,} B")
+print(f"hybrid holds less from {costs.checkpoint_bytes(kimi_linear_48b) // per_token_saved + 1:,} tokens on")
 for n in (131072, 1048576):
-    h, a = memory.request_total_bytes(kimi_linear_48b, n), memory.request_total_bytes(all_mla_27, n)
+    h, a = costs.request_total_bytes(kimi_linear_48b, n), costs.request_total_bytes(all_mla_27, n)
     print(f"context {n:>9,}: hybrid {h / 1e9:6.2f} GB, all-MLA {a / 1e9:6.2f} GB per request "
           f"-> {100 * (1 - h / a):.1f}% less cache")
 print(f"limit (KV only): 1 - 7/27 = {100 * (1 - 7 / 27):.1f}%")
@@ -392,28 +402,28 @@ print(f"limit (KV only): 1 - 7/27 = {100 * (1 - 7 / 27):.1f}%")
 # context, about 2.3x at batch 1, and attributes the rest to larger batches. A decode
 # step is memory-bound: it reads the weights it touches once (shared by the whole batch)
 # plus every request's whole cache, and every request in the batch waits for the step.
-# `kimilab.memory` turns that into a roofline on assumed hardware (one node of 8
+# `kimilab.costs` turns that into a roofline on assumed hardware (one node of 8
 # H800-class devices: 80 GB and 3.35 TB/s each — data-sheet numbers, not measurements).
 
 # %%
-dep = memory.DEFAULT_DEPLOYMENT
+dep = costs.DEFAULT_DEPLOYMENT
 n = 1048576
 print(f"deployment: {dep.n_devices} x {dep.device.name}, {dep.hbm_bytes / 1e9:.0f} GB, "
-      f"{dep.bandwidth / 1e12:.1f} TB/s; weights {memory.weight_bytes(kimi_linear_48b) / 1e9:.0f} GB bf16")
-fit_h, fit_a = memory.max_batch(kimi_linear_48b, n), memory.max_batch(all_mla_27, n)
+      f"{dep.bandwidth / 1e12:.1f} TB/s; weights {costs.weight_bytes(kimi_linear_48b) / 1e9:.0f} GB bf16")
+fit_h, fit_a = costs.max_batch(kimi_linear_48b, n), costs.max_batch(all_mla_27, n)
 print(f"requests of 1M tokens whose caches fit beside the weights: hybrid {fit_h}, all-MLA {fit_a}\n")
 print(f"{'batch':>5s} {'TPOT hybrid':>12s} {'TPOT all-MLA':>13s} {'ratio':>6s}")
 for b in (1, 4, fit_a, fit_h):
-    th = memory.decode_point(kimi_linear_48b, n, b).step_seconds
+    th = costs.decode_point(kimi_linear_48b, n, b).step_seconds
     if b <= fit_a:
-        ta = memory.decode_point(all_mla_27, n, b).step_seconds
+        ta = costs.decode_point(all_mla_27, n, b).step_seconds
         print(f"{b:5d} {th * 1e3:9.2f} ms {ta * 1e3:10.2f} ms {ta / th:6.2f}")
     else:
         print(f"{b:5d} {th * 1e3:9.2f} ms {'does not fit':>13s}")
-cache_ratio = memory.request_total_bytes(all_mla_27, n) / memory.request_total_bytes(kimi_linear_48b, n)
+cache_ratio = costs.request_total_bytes(all_mla_27, n) / costs.request_total_bytes(kimi_linear_48b, n)
 print(f"\nceiling as the batch grows (weights amortised, cache bytes only): {cache_ratio:.2f}x")
-full_h, full_a = memory.decode_point(kimi_linear_48b, n), memory.decode_point(all_mla_27, n)
-one_ratio = memory.decode_point(all_mla_27, n, 1).step_seconds / memory.decode_point(kimi_linear_48b, n, 1).step_seconds
+full_h, full_a = costs.decode_point(kimi_linear_48b, n), costs.decode_point(all_mla_27, n)
+one_ratio = costs.decode_point(all_mla_27, n, 1).step_seconds / costs.decode_point(kimi_linear_48b, n, 1).step_seconds
 per_token_ratio = full_a.seconds_per_token / full_h.seconds_per_token
 print(f"time per generated token, each model at its largest batch: hybrid {full_h.seconds_per_token * 1e3:.3f} ms "
       f"(batch {full_h.batch}), all-MLA {full_a.seconds_per_token * 1e3:.3f} ms (batch {full_a.batch}) "
@@ -444,14 +454,15 @@ timed_contexts = [64, 256, 512, 1024]
 weights_bytes = model.n_params * 8
 print(f"{'context':>8s} {'KV bytes':>11s} {'fixed states':>13s} {'weights':>12s} {'read per token':>15s}")
 for n in timed_contexts:
-    b = memory.request_bytes(tiny, n)
+    b = costs.request_bytes(tiny, n)
     total = weights_bytes + sum(b.values())
     print(f"{n:8d} {b['kv']:11,} {b['kda_state'] + b['conv_state']:13,} {weights_bytes:12,} {total:15,}")
 
 # %% [markdown]
 # Then the measurement: we prefill a long prompt in steps and, at each context length,
 # time 10 decode steps on a clone of the cache (so the timed steps do not change the
-# context we measure at). Wall-clock numbers vary between runs and machines.
+# context we measure at) and keep the fastest. Wall-clock numbers vary between runs and
+# machines.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -461,11 +472,7 @@ for n in timed_contexts:
     model.prefill(long_prompt[pos:n], timing_cache)
     pos = n
     probe = timing_cache.clone()
-    model.decode(7, probe)  # warm-up
-    start = time.perf_counter()
-    for _ in range(10):
-        model.decode(7, probe)
-    ms_per_token.append((time.perf_counter() - start) / 10 * 1e3)
+    ms_per_token.append(best_seconds(lambda: model.decode(7, probe), repeats=10, warmup=1) * 1e3)
 for n, ms in zip(timed_contexts, ms_per_token):
     print(f"context {n:5d}: {ms:6.2f} ms per decoded token (CPU, float64)")
 
@@ -498,9 +505,9 @@ plt.show()
 
 # %%
 for cfg in (tiny, kimi_linear_48b):
-    page = 16 * memory.kv_bytes_per_token_layer(cfg)
-    state = memory.kda_state_bytes_per_layer(cfg)
-    conv = memory.conv_state_bytes_per_layer(cfg)
+    page = 16 * costs.kv_bytes_per_token_layer(cfg)
+    state = costs.kda_state_bytes_per_layer(cfg)
+    conv = costs.conv_state_bytes_per_layer(cfg)
     print(f"{cfg.name:16s} KV page (16 tokens, 1 layer): {page:>7,} B | KDA state: {state:>9,} B "
           f"= {state / page:5.1f} pages | conv state: {conv:>6,} B = {conv / page:4.2f} pages")
 
@@ -531,8 +538,10 @@ print(f"checkpoint at 60 ({ckpt.nbytes:,} B) + shared KV rows, then 40 more toke
 # **3. Rollback (chapters 7–8).** Speculative decoding appends a few draft tokens and
 # then rejects some. For KV, rejecting means forgetting the last rows. For a state there
 # is no "minus a token": the delta rule overwrote what was there. The way back is a
-# snapshot taken before the drafts, or *replay*: keep the layer's projected inputs
-# (`capture`) and re-run the recurrence for the accepted tokens only.
+# snapshot taken before the drafts (`cache.truncate(n, checkpoint)` refuses to roll a
+# KDA cache back without one), or *replay*: keep the layer's projected inputs
+# (`capture`, one `KDACapture` record per KDA layer) and re-run the recurrence for the
+# accepted tokens only.
 
 # %%
 snapshot = long_cache.clone()
@@ -543,7 +552,7 @@ accepted = snapshot.clone()
 for t in (65, 66):
     model.decode(t, accepted)
 inp = captured[layer_k]
-_, replayed = kda.recurrent_kda(inp["q"][:2], inp["k"][:2], inp["v"][:2], inp["g"][:2], inp["beta"][:2],
+_, replayed = kda.recurrent_kda(inp.q[:2], inp.k[:2], inp.v[:2], inp.g[:2], inp.beta[:2],
                                 initial_state=snapshot.kda_state(layer_k))
 print("KV after rollback = first 102 rows:", same(long_cache.kv(layer_a)[0][:102], accepted.kv(layer_a)[0]))
 print("state after 4 drafts == state after the 2 accepted:",
@@ -561,8 +570,8 @@ print("replaying 2 captured steps from the snapshot gives it back:", same(replay
 cap = {}
 model.prefill(base, model.new_cache(), capture=cap)
 c0 = cap[layer_k]
-M1, C1 = kda.segment_transition(c0["k"][:50], c0["v"][:50], c0["g"][:50], c0["beta"][:50])
-M2, C2 = kda.segment_transition(c0["k"][50:], c0["v"][50:], c0["g"][50:], c0["beta"][50:])
+M1, C1 = kda.segment_transition(c0.k[:50], c0.v[:50], c0.g[:50], c0.beta[:50])
+M2, C2 = kda.segment_transition(c0.k[50:], c0.v[50:], c0.g[50:], c0.beta[50:])
 state_100 = snapshot.kda_state(layer_k)  # the cache after the 100 tokens, before the drafts
 S_first = kda.apply_transition(M1, C1, np.zeros_like(C1))
 print("M2 (M1 0 + C1) + C2 == state after 100 tokens:", same(kda.apply_transition(M2, C2, S_first), state_100))
@@ -576,9 +585,10 @@ print("C1 + C2 (adding the halves) == state after 100 tokens:", bool(np.abs(C1 +
 #   recurrence, gated RMSNorm) and NoPE global attention layers, 3 : 1. It is untrained.
 # - Its per-request cache has three kinds: KV for global layers (grows with T), and a KDA
 #   state plus a conv state per KDA layer (fixed size). `HybridCache` holds them behind a
-#   small protocol that chapter 4 reimplements on pages.
-# - Prefill in one piece, in any pieces, and token-by-token decode give the same logits
-#   and the same final cache as a from-scratch pass (max |diff| < 1e-10 in float64).
+#   small protocol (`CacheProtocol`) that chapter 4 implements again on pages.
+# - Prefill in one piece, in any pieces, and token-by-token decode — one layer loop with
+#   three KDA kernels — give the same logits and the same final cache as a from-scratch
+#   pass (max |diff| < 1e-10 in float64).
 # - At the 48B scale the hybrid stores 73–74% less cache per request at 128k–1M than
 #   an all-MLA model; on a memory-bound roofline that is fewer bytes per step at batch 1
 #   and about 4x larger batches at 1M.
@@ -593,7 +603,7 @@ print("C1 + C2 (adding the halves) == state after 100 tokens:", bool(np.abs(C1 +
 
 # %%
 answer = None  # your number of bytes here
-check(answer, memory.request_total_bytes(tiny, 1000), name="tiny cache at 1000 tokens",
+check(answer, costs.request_total_bytes(tiny, 1000), name="tiny cache at 1000 tokens",
       hint="KV grows by 2 layers x 2 x 4 heads x 32 x 8 B per token; the states are fixed.")
 
 # %% [markdown]
@@ -609,8 +619,8 @@ check(answer, memory.request_total_bytes(tiny, 1000), name="tiny cache at 1000 t
 
 # %%
 answer_crossover = None  # smallest T with KV bytes > fixed-state bytes
-fixed = memory.checkpoint_bytes(tiny)
-check(answer_crossover, fixed // memory.kv_bytes_per_token(tiny) + 1, name="KV overtakes the states",
+fixed = costs.checkpoint_bytes(tiny)
+check(answer_crossover, fixed // costs.kv_bytes_per_token(tiny) + 1, name="KV overtakes the states",
       hint="divide the fixed-state bytes by the KV bytes per token.")
 
 # %% [markdown]

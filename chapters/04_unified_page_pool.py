@@ -40,23 +40,22 @@
 # hold, not latency. The one wall-clock number (paged vs contiguous decode) is a CPU number.
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from kimilab import plots
-from kimilab.admission import mixed_workload, phase_means, simulate
-from kimilab.cache import HybridCache
-from kimilab.checks import check
-from kimilab.config import kimi_linear_48b, tiny
-from kimilab.model import Model
+from kimilab.config import PAGE_KINDS, kimi_linear_48b, tiny
+from kimilab.costs import CacheShapes
+from kimilab.exercises import check
+from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
-from kimilab.paged import PagedHybridCache
-from kimilab.pool import (KINDS, CacheShapes, JengaPages, PagePool, PoolExhausted, RequestAllocator,
-                          SplitPools, UnifiedPages, VllmPaddedPages)
+from kimilab.pool import (JengaPages, PagedHybridCache, PagePool, PoolExhausted, RequestAllocator, SplitPools,
+                          UnifiedPages, VllmPaddedPages)
+from kimilab.sim import simulate
+from kimilab.timing import best_seconds
+from kimilab.traffic import mixed_workload
 
 plots.use_style()
 MiB, GiB = 2**20, 2**30
@@ -228,11 +227,11 @@ for name, cache in live.items():
     print(f"{name}: {cache.seq_len:3d} tokens on {cache.n_pages:3d} pages")
 
 # %%
-codes = {kind: i for i, kind in enumerate(KINDS)}
-cmap = ListedColormap([plots.color("free")] + [plots.color(k) for k in KINDS])
+codes = {kind: i for i, kind in enumerate(PAGE_KINDS)}
+cmap = ListedColormap([plots.color("free")] + [plots.color(k) for k in PAGE_KINDS])
 fig, axes = plt.subplots(len(snapshots), 1, figsize=(8.0, 6.4), sharex=True)
 for ax, (title, page_map) in zip(axes, snapshots):
-    ax.imshow((page_map + 1).reshape(8, 64), cmap=cmap, vmin=0, vmax=len(KINDS),
+    ax.imshow((page_map + 1).reshape(8, 64), cmap=cmap, vmin=0, vmax=len(PAGE_KINDS),
               aspect="auto", interpolation="nearest")
     ax.set_title(f"{title}   ({np.sum(page_map < 0)} of {page_map.size} pages free)", fontsize=9, loc="left")
     ax.set_yticks([0, 7], ["0", "448"])
@@ -253,8 +252,8 @@ plt.show()
 #
 # ## Four ways to size pages
 #
-# A *page-sizing policy* says which pools exist, how big their pages are, and how a
-# request's objects map to pages. Four policies, each a small object in `kimilab.pool`:
+# A *page layout* says which pools exist, how big their pages are, and how a request's
+# objects map to pages. Four layouts, each a small object in `kimilab.pool.layouts`:
 #
 # - **unified** (`UnifiedPages`, this chapter): one pool of small pages (one 16-token KV
 #   block of one layer); a state spans as many pages as it needs, scattered anywhere.
@@ -269,21 +268,21 @@ plt.show()
 #   `--mamba-full-memory-ratio` (default 0.9).
 
 # %%
-policies = {"unified": UnifiedPages(), "vllm-padded": VllmPaddedPages(), "jenga": JengaPages(),
-            "split": SplitPools(0.9)}
+layouts = {"unified": UnifiedPages(), "vllm-padded": VllmPaddedPages(), "jenga": JengaPages(),
+           "split": SplitPools(0.9)}
 for name, s in shapes.items():
     print(name)
-    for key, policy in policies.items():
-        print("  " + policy.describe(s))
+    for key, layout in layouts.items():
+        print("  " + layout.describe(s))
 
 # %%
 contexts = [1, 100, 1000, 32768]
-print(f"{'model':16s} {'policy':12s}" + "".join(f"{n:>18,d}" for n in contexts) + "   tokens")
+print(f"{'model':16s} {'layout':12s}" + "".join(f"{n:>18,d}" for n in contexts) + "   tokens")
 for name, s in shapes.items():
-    for key, policy in policies.items():
+    for key, layout in layouts.items():
         cells = []
         for n in contexts:
-            fp = policy.footprint(s, n)
+            fp = layout.footprint(s, n)
             cells.append(f"{size(fp.waste_bytes):>10s} {100 * fp.waste_fraction:4.1f}%")
         print(f"{name:16s} {key:12s}" + "".join(f"{c:>18s}" for c in cells))
 
@@ -304,15 +303,15 @@ for name, s in shapes.items():
 ctx = np.unique(np.logspace(0, 17, 120, base=2).astype(int))
 fig, ax = plt.subplots()
 for key in ("vllm-padded", "unified", "split", "jenga"):  # Jenga last: it overlaps split exactly
-    policy = policies[key]
-    waste = [policy.footprint(s48, int(n)).waste_bytes / MiB for n in ctx]
+    layout = layouts[key]
+    waste = [layout.footprint(s48, int(n)).waste_bytes / MiB for n in ctx]
     ax.plot(ctx, waste, **plots.style_of(key), **({"ls": "--"} if key == "jenga" else {}))
 ax.set_xscale("log", base=2)
 ax.set_yscale("symlog", linthresh=0.01)
 ax.set_ylim(0, 40)
 ax.set_xlabel("tokens held by the request")
 ax.set_ylabel("internal waste per request (MiB)")
-ax.set_title("Kimi-Linear-48B: padding per request by page-sizing policy")
+ax.set_title("Kimi-Linear-48B: padding per request by page layout")
 ax.legend()
 plots.save(fig, "ch04-waste-per-request")
 plt.show()
@@ -336,14 +335,14 @@ requests = mixed_workload(0, chat_rate_per_s=16.0)
 chats = [r for r in requests if r.kind == "chat"]
 docs = [r for r in requests if r.kind == "document"]
 print(f"{len(requests)} requests: {len(chats)} chats, {len(docs)} documents")
-print(f"chat prompt tokens: median {int(np.median([r.prompt_tokens for r in chats]))}, "
-      f"documents: median {int(np.median([r.prompt_tokens for r in docs])):,d}, "
-      f"max {max(r.prompt_tokens for r in docs):,d}")
-total = sum(s48.request_bytes(r.prompt_tokens + r.output_tokens) for r in requests)
+print(f"chat prompt tokens: median {int(np.median([r.input_length for r in chats]))}, "
+      f"documents: median {int(np.median([r.input_length for r in docs])):,d}, "
+      f"max {max(r.input_length for r in docs):,d}")
+total = sum(s48.request_bytes(r.input_length + r.output_length) for r in requests)
 print(f"states + KV of all requests at full length: {size(total)}")
 
 # %% [markdown]
-# The engine loop (`kimilab.admission.simulate`) serves it on a **4 GiB** cache budget
+# The simulation loop (`kimilab.sim.simulate`, given a `memory=` budget) serves it on a **4 GiB** cache budget
 # for the 48B shapes. Each step it admits queued requests first come, first served
 # while their prompt fits, then every running request makes one token; a request that
 # needs a new KV block and finds none preempts the newest running request, which goes
@@ -357,11 +356,14 @@ show_source(RequestAllocator.admit)
 # %%
 BUDGET = 4 * GiB
 SPLIT_RATIOS = (0.5, 0.9, 2.0, 4.0)
-runs = {"unified": simulate(requests, UnifiedPages(), s48, BUDGET, label="unified"),
-        "vllm-padded": simulate(requests, VllmPaddedPages(), s48, BUDGET, label="vllm-padded"),
-        "jenga": simulate(requests, JengaPages(), s48, BUDGET, label="jenga")}
+def serve(layout, label):
+    return simulate(requests, memory=RequestAllocator(layout, s48, BUDGET), label=label)
+
+
+runs = {"unified": serve(UnifiedPages(), "unified"), "vllm-padded": serve(VllmPaddedPages(), "vllm-padded"),
+        "jenga": serve(JengaPages(), "jenga")}
 for r in SPLIT_RATIOS:
-    runs[f"split r={r}"] = simulate(requests, SplitPools(r), s48, BUDGET, label=f"split r={r}")
+    runs[f"split r={r}"] = serve(SplitPools(r), f"split r={r}")
 PHASES = {"chats 0-20 s": (0, 20_000), "docs 20-40 s": (20_000, 40_000), "chats 40-60 s": (40_000, 60_000)}
 
 print(f"{'layout':14s} {'mean run':>8s} {'peak':>5s} {'util':>6s} {'padding':>10s} {'preempt':>7s} "
@@ -373,7 +375,7 @@ for name, res in runs.items():
           f"{s['makespan_s']:8.1f}s {s['mean_wait_s']:6.1f}s")
 print("\nmean requests running, by phase")
 for name, res in runs.items():
-    means = phase_means(res, PHASES)
+    means = res.phase_means(PHASES)
     print(f"{name:14s} " + "  ".join(f"{k}: {v:5.1f}" for k, v in means.items()))
 
 # %% [markdown]
@@ -468,8 +470,8 @@ for name in ("vllm-padded", "jenga", split_best):
           f"utilisation {100 * u['mean_utilisation']:.1f}% vs {100 * s['mean_utilisation']:.1f}%, "
           f"makespan {u['makespan_s']:.1f} s vs {s['makespan_s']:.1f} s")
 for phase in PHASES:
-    winner = best(lambda n: phase_means(runs[n], {phase: PHASES[phase]})[phase])
-    ranked = sorted(runs, key=lambda n: -phase_means(runs[n], {phase: PHASES[phase]})[phase])
+    winner = best(lambda n: runs[n].phase_means({phase: PHASES[phase]})[phase])
+    ranked = sorted(runs, key=lambda n: -runs[n].phase_means({phase: PHASES[phase]})[phase])
     print(f"{phase}: most running = {winner}; best split = "
           f"{next(n for n in ranked if n.startswith('split'))}")
 
@@ -504,18 +506,14 @@ for phase in PHASES:
 # %%
 # NBVAL_IGNORE_OUTPUT
 def per_step(cache, steps=4):
-    start = time.perf_counter()
-    for _ in range(steps):
-        model.decode(7, cache)
-    return (time.perf_counter() - start) / steps
+    return best_seconds(lambda: [model.decode(7, cache) for _ in range(steps)], repeats=2) / steps
 
 
 bench_pool = PagePool(1024, 4096)
 c_cache, p_cache = HybridCache(tiny), PagedHybridCache(tiny, bench_pool)
 warm = np.random.default_rng(0).integers(0, 256, size=200).tolist()
 model.prefill(warm, c_cache), model.prefill(warm, p_cache)
-tc = min(per_step(c_cache) for _ in range(2))
-tp = min(per_step(p_cache) for _ in range(2))
+tc, tp = per_step(c_cache), per_step(p_cache)
 print(f"decode step at {c_cache.seq_len} tokens: contiguous {tc * 1e3:.2f} ms, paged {tp * 1e3:.2f} ms, "
       f"ratio {tp / tc:.2f}x")
 p_cache.free()
@@ -551,10 +549,10 @@ p_cache.free()
 
 # %%
 answer = None  # number of 4,096-token requests that fit at once
-policy = UnifiedPages()
-page_bytes = policy.page_bytes(s48)["main"]
+layout = UnifiedPages()
+page_bytes = layout.page_bytes(s48)["main"]
 n_pages = (8 * GiB) // page_bytes
-per_request = policy.footprint(s48, 4096).reserved_bytes // page_bytes
+per_request = layout.footprint(s48, 4096).reserved_bytes // page_bytes
 check(answer, n_pages // per_request, name="requests in an 8 GiB unified pool",
       hint="pages in the pool = budget // page_bytes; pages per request = its states' pages "
            "(ceil per layer) + 7 layers x 256 blocks; divide and round down.")

@@ -41,17 +41,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-import kimilab.memory as memory
-import kimilab.radix as radix
-import kimilab.workloads as wl
-from kimilab import plots
-from kimilab.cache import HybridCache
-from kimilab.checks import check
+import kimilab.traffic as wl
+from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.model import Model
+from kimilab.exercises import check
+from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
 from kimilab.pool import PagePool
+from kimilab.prefix import RadixTree
+from kimilab.sim import simulate
+from kimilab.sim.loop import _CacheMeter
 from kimilab.tokenizer import ByteTokenizer
+from kimilab.traffic.generators import _chat_specs
 
 plots.use_style()
 
@@ -68,12 +69,12 @@ plots.use_style()
 #   by step; sub-tasks fork from the same point;
 # - **shared-document Q&A**: many readers ask about the same few documents.
 #
-# `kimilab.workloads` generates each one from a seed (`numpy.random.default_rng`, so
+# `kimilab.traffic` generates each one from a seed (`numpy.random.default_rng`, so
 # the same requests on every machine). A request is token ids plus an arrival time in
 # simulated milliseconds. Here is the chat generator:
 
 # %%
-show_source(wl._chat_specs)
+show_source(_chat_specs)
 
 # %% [markdown]
 # The generator first builds each prompt as a list of *segments* `(uid, length)`: the
@@ -113,7 +114,7 @@ for rec in wl.to_trace(toy, block_size=4):
     print(rec.to_json())
 
 # %% [markdown]
-# The committed traces in `data/` (see `data/README.md`; `python -m kimilab.workloads
+# The committed traces in `data/` (see `data/README.md`; `python -m kimilab traces
 # regenerate data/` rewrites them byte for byte) use 512-token blocks. `load_trace`
 # validates every line and names the line and field of the first bad one:
 
@@ -184,13 +185,13 @@ plt.show()
 # - **evict**: when the pool is full, free unpinned *leaves*, least recently used first.
 #   Only leaves: a parent is the prefix its children need.
 #
-# `kimilab.radix` (written for chapter 6, used here) implements it:
+# `kimilab.prefix.radix` (written for chapter 6, used here) implements it:
 
 # %%
-show_source(radix.RadixTree._match)
+show_source(RadixTree._match)
 
 # %%
-show_source(radix.RadixTree.evict)
+show_source(RadixTree.evict)
 
 # %% [markdown]
 # A pool of 4 pages, one page per 4-token block, and three prompts. The second prompt
@@ -200,7 +201,7 @@ show_source(radix.RadixTree.evict)
 # the first eviction because it still had a child; it is kept as a cached prefix.
 
 # %%
-tree = radix.RadixTree(PagePool(4, 64, backed=False), block_size=4)
+tree = RadixTree(PagePool(4, 64, backed=False), block_size=4)
 prompts = {
     "A": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
     "B": [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23],
@@ -219,27 +220,28 @@ for name, tokens in prompts.items():
 # the cache divided by all prompt tokens. A 100k-token hit on one request outweighs a
 # hundred 512-token hits, as it should: prefill work grows with tokens.
 #
-# `replay_trace` feeds a trace through a tree in timestamp order, one request at a
-# time. Capacity is the pool size in 512-token blocks; we sweep it from 4 blocks (2k
-# tokens) to 16,384 blocks (8.4M tokens). Replaying the full hour of the
-# conversation-like trace at seven capacities takes several CPU seconds, too much for
-# this chapter's budget, so this cell
-# replays its **first 10 minutes** (a time window, not a random sample, so sessions
-# stay whole) and the three small traces in full.
+# `kimilab.sim.simulate(records, cache=tree)` feeds a trace through a tree in timestamp
+# order, one request at a time (the book's one simulation loop; chapter 4 gave it a
+# memory budget instead of a cache). Capacity is the pool size in 512-token blocks; we
+# sweep it from 4 blocks (2k tokens) to 16,384 blocks (8.4M tokens). Replaying the full
+# hour of the conversation-like trace at seven capacities takes several CPU seconds, too
+# much for this chapter's budget, so this cell replays its **first 10 minutes** (a time
+# window, not a random sample, so sessions stay whole) and the three small traces in
+# full. What the loop does with each arriving request:
 
 # %%
-show_source(radix.replay_trace)
+show_source(_CacheMeter.arrive)
 
 # %%
 window_ms = 10 * 60 * 1000
 replayed = dict(traces)
-replayed["conversation"] = [r for r in traces["conversation"] if r.timestamp < window_ms]
+replayed["conversation"] = [r for r in traces["conversation"] if r.arrival_ms < window_ms]
 capacities = [4, 16, 64, 256, 1024, 4096, 16384]  # blocks of 512 tokens
 hit = {key: [] for key in replayed}
 for key, records in replayed.items():
     for blocks in capacities:
-        result, _ = radix.replay_trace(records, PagePool(blocks, 1, backed=False), 512)
-        hit[key].append(result.hit_rate)
+        result = simulate(records, cache=RadixTree(PagePool(blocks, 1, backed=False), 512))
+        hit[key].append(result.kv_hit_rate)
 ceiling = {key: wl.reuse_upper_bound(records, 512) for key, records in replayed.items()}
 
 print(f"conversation window: {len(replayed['conversation']):,} requests, "
@@ -249,7 +251,7 @@ for key in replayed:
     print(f"{key:<17} " + "  ".join(f"{h:>9.3f}" for h in hit[key]) + f"   {ceiling[key]:8.3f}")
 
 # %%
-kv_bytes = memory.kv_bytes_per_token(kimi_linear_48b)
+kv_bytes = costs.kv_bytes_per_token(kimi_linear_48b)
 fig, ax = plt.subplots(figsize=(7.5, 4.3))
 x = np.array(capacities) * 512
 for key in replayed:
@@ -273,7 +275,7 @@ plt.show()
 for key in replayed:
     reach = next(b * 512 for b, h in zip(capacities, hit[key]) if h >= 0.9 * ceiling[key])
     print(f"{key:<13} reaches 90% of its ceiling ({ceiling[key]:.3f}) at {reach:>9,d} cached tokens "
-          f"= {reach * memory.kv_bytes_per_token(kimi_linear_48b) / 1e9:6.2f} GB of 48B KV")
+          f"= {reach * costs.kv_bytes_per_token(kimi_linear_48b) / 1e9:6.2f} GB of 48B KV")
 
 # %% [markdown]
 # The three small workloads are saturated by a cache of about 131k tokens: their
@@ -307,7 +309,7 @@ for key in replayed:
 # %%
 chat_requests = wl.chat_sessions(60, seed=1)  # the generator call behind data/chat.jsonl
 for partial in (False, True):
-    t = radix.RadixTree(PagePool(1 << 20, 1, backed=False), 512, partial_blocks=partial)
+    t = RadixTree(PagePool(1 << 20, 1, backed=False), 512, partial_blocks=partial)
     served = sum(t.serve(tokens=r.tokens).hit_tokens for r in chat_requests)
     total = sum(r.input_length for r in chat_requests)
     print(f"partial_blocks={partial!s:<5}: hit rate {served / total:.3f}")
@@ -339,7 +341,7 @@ turn2 = turn1 + reply + tok.encode("User: and a KDA state?\n", bos=False)
 print(f"turn 1: {len(turn1)} tokens; reply: {len(reply)} tokens; turn 2: {len(turn2)} tokens")
 
 BLOCK = 16
-kv_tree = radix.RadixTree(PagePool(64, 64, backed=False), BLOCK)
+kv_tree = RadixTree(PagePool(64, 64, backed=False), BLOCK)
 kv_tree.serve(tokens=turn1)
 kv_hit = kv_tree.match(tokens=turn2).hit_tokens
 print(f"the block radix tree (block {BLOCK}) finds a KV hit of {kv_hit} tokens for turn 2")
@@ -415,7 +417,7 @@ same_states = all(np.max(np.abs(restored.kda_state(i) - cold.kda_state(i))) < 1e
 print(f"resume from checkpoint at {kv_hit}: logits equal cold prefill (max |diff| < 1e-10): "
       f"{same_logits}; final KDA states equal: {same_states}")
 print(f"checkpoint size: {ckpt.nbytes:,} bytes for tiny; "
-      f"{memory.checkpoint_bytes(kimi_linear_48b):,} bytes for Kimi-Linear-48B")
+      f"{costs.checkpoint_bytes(kimi_linear_48b):,} bytes for Kimi-Linear-48B")
 
 # %% [markdown]
 # So the saved prompt work for turn 2 is:
@@ -464,7 +466,7 @@ plt.show()
 # of about 5,400 tokens:
 
 # %%
-per_ckpt = memory.checkpoint_bytes(kimi_linear_48b)
+per_ckpt = costs.checkpoint_bytes(kimi_linear_48b)
 print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.0f} tokens "
       f"= {per_ckpt / (kv_bytes * 512):.1f} blocks of 512 tokens")
 
@@ -476,7 +478,7 @@ print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.
 #
 # - Real traffic shares prefixes: chat re-sends history, agents re-send tool prompts and
 #   outputs, readers share documents. The Mooncake trace format captures that with
-#   chained 512-token block ids; `kimilab.workloads` generates, exports, validates and
+#   chained 512-token block ids; `kimilab.traffic` generates, exports, validates and
 #   reloads such traces, byte-identically on every machine.
 # - A radix tree of blocks with pinning and leaf-first LRU turns that sharing into hits.
 #   Token-weighted hit rate climbs with capacity to the workload's ceiling: 0.72 (chat),
@@ -506,7 +508,7 @@ check(answer, (2900 // 512) * 512, name="whole blocks",
 # last 340 tokens sat in a partial block and are recomputed with the 400 new ones.
 # </details>
 #
-# 2. **Capacity.** Replay the agent trace (`traces["agent"]`) with `radix.replay_trace`
+# 2. **Capacity.** Replay the agent trace (`traces["agent"]`) with `simulate(..., cache=RadixTree(...))`
 #    at 8, 32 and 128 blocks. Where does the hit rate jump, and how does that relate to
 #    the 6,000-token tool prompt (12 blocks)?
 # 3. **Full hour.** Replay all 12,044 requests of the conversation-like trace at 4,096

@@ -33,22 +33,21 @@
 #
 # **What you'll need.** Chapter 5 (radix tree, traces, why a KV hit alone saves nothing
 # for a hybrid model) and chapter 4 (the page pool). Byte and FLOP counts are analytic
-# for the real 48B shapes (`kimilab.memory`); the exactness check runs the reduced,
+# for the real 48B shapes (`kimilab.costs`); the exactness check runs the reduced,
 # untrained `tiny` model. Speeds are CPU speeds of a Python simulation.
 
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
 
-import kimilab.memory as memory
 import kimilab.prefix as prefix
-import kimilab.workloads as wl
-from kimilab import plots
-from kimilab.cache import HybridCache
-from kimilab.checks import check
+import kimilab.traffic as wl
+from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.model import Model
+from kimilab.exercises import check
+from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
+from kimilab.sim import simulate
 
 plots.use_style()
 CFG = kimi_linear_48b
@@ -65,9 +64,9 @@ POLICIES = ["kv-only", "every-block", "align", "dual"]
 # position. At 48B scale, next to one 512-token page of KV:
 
 # %%
-kv_per_token = memory.kv_bytes_per_token(CFG)
+kv_per_token = costs.kv_bytes_per_token(CFG)
 page_bytes = BLOCK * kv_per_token
-ckpt_bytes = memory.checkpoint_bytes(CFG)
+ckpt_bytes = costs.checkpoint_bytes(CFG)
 ckpt_pages = -(-ckpt_bytes // page_bytes)
 print(f"KV per token (7 MLA layers):        {kv_per_token:>12,d} B")
 print(f"one KV page = {BLOCK} tokens:           {page_bytes:>12,d} B  ({page_bytes / 2**20:.2f} MiB)")
@@ -154,7 +153,7 @@ def toy_records(paths):
     table, out = {}, []
     for t, path in enumerate(paths):
         ids = [table.setdefault(tuple(path[: j + 1]), len(table)) for j in range(len(path))]
-        out.append(wl.TraceRecord(t, 4 * len(path), 1, tuple(ids)))
+        out.append(wl.Request(t, t, 4 * len(path), 1, hash_ids=tuple(ids)))
     return out
 
 
@@ -170,13 +169,14 @@ for name, kwargs in [("every-block", {}), ("align", {"interval": 64}), ("dual", 
 # ## Resuming from a checkpoint is exact
 #
 # The accounting above is only worth anything if resuming is exact. `ModelPrefixCache`
-# is the same cache holding real tensors for the runnable `tiny` model: KV rows per
-# block on the tree nodes and `StateCheckpoint`s where the policy admits them. To serve
-# a prompt it rebuilds a `HybridCache` from the usable checkpoint plus the cached KV
-# blocks (`HybridCache.from_checkpoint`), prefills only the rest — in pieces that end
-# at the positions where new checkpoints are captured — and stores the new blocks.
-# We compare each request with a cold prefill of the full prompt (a test,
-# `tests/test_prefix.py`, does the same over random traces):
+# is the same cache holding real tensors for the runnable `tiny` model, in the same page
+# pool as the requests it serves (next section). To serve a prompt it gives the request
+# a paged cache (chapter 4) that starts on the cached KV pages of the usable hit and on
+# a copy of the checkpointed states, prefills only the rest — in pieces that end at the
+# positions where new checkpoints are captured — and writes the new blocks' KV straight
+# into pages the tree keeps. We compare each request with a cold prefill of the full
+# prompt (a test, `tests/test_prefix.py`, does the same over random traces, with requests
+# still running while the next one shares their pages):
 
 # %%
 model = Model(tiny, seed=0)
@@ -197,6 +197,7 @@ for name, prompt in [("turn 1", turn1), ("turn 2", turn2), ("other", other), ("l
     diffs += [np.abs(cache.kda_state(i) - cold.kda_state(i)).max() for i in tiny.kda_layers]
     diffs += [np.abs(cache.conv_state(i) - cold.conv_state(i)).max() for i in tiny.kda_layers]
     worst = max(worst, max(diffs))
+    cache.free()  # the request is done: its own pages go back, its prompt's blocks stay cached
     print(f"{name:<7} {len(prompt):3d} tokens: KV hit {out.kv_hit:2d}, usable {out.usable_hit:2d}, "
           f"recomputed {out.recomputed:2d}, new checkpoints at {list(out.checkpoint_positions)}")
 print(f"logits, KV, KDA and conv states equal a cold prefill: max |diff| < 1e-10: {worst < 1e-10}")
@@ -207,6 +208,62 @@ print(f"logits, KV, KDA and conv states equal a cold prefill: max |diff| < 1e-10
 # prompt's two full blocks) but no state there, recomputes everything, and leaves a
 # checkpoint at the branch point 32, which the later user resumes from. Every result
 # is the cold prefill's to float64 round-off.
+#
+# ## One pool: a finished request's pages become cached prefix
+#
+# Nothing above was copied into a cache on the side. The radix tree and the requests draw
+# pages from one `PagePool`, in which a page holds one 16-token block of one global
+# layer's KV (`tiny` has two global layers, so a block is two pages). When a prompt
+# arrives, the cache registers its whole blocks in the tree, and the request's paged
+# cache *adopts* those very pages (`PagedHybridCache.adopt`): a second reference to each
+# page (`pool.share`), so its prefill writes KV straight into what will be cached. When
+# the request ends and frees its cache, its references go, and the pages stay with their
+# other owner, the tree — the way vLLM's block manager and SGLang's radix cache keep a
+# finished request's blocks. Only states are copied, into checkpoint pages, because
+# every token overwrites a state. The request's own state pages, and the partial last
+# block it keeps writing into, go back to the pool. Watch the pool's page counts:
+
+# %%
+show_source(prefix.ModelPrefixCache._shared)
+
+# %%
+store = prefix.ModelPrefixCache(model, "dual", block_size=16, capacity_tokens=16 * 64)
+pool, layer = store.pool, tiny.attn_layers[0]
+
+
+def pages(moment):
+    used = pool.stats().pages_by_kind
+    print(f"{moment:<31} KV {used['kv']:3d}  KDA state {used['kda_state']:3d}  conv state "
+          f"{used['conv_state']:3d}  checkpoint {used['checkpoint']:3d}  free {pool.n_free:3d} of {pool.n_pages}")
+
+
+pages("empty pool")
+_, first, out1 = store.prefill(turn1)
+written = first.block_table(layer)
+pages("request 1 prefilled (63 tokens)")
+first.free()
+pages("request 1 finished and freed")
+print(f"  left behind: {store.cache.kv_pages} KV pages (3 blocks x 2 layers) and "
+      f"{store.cache.n_checkpoints} checkpoint of {store.cache.checkpoint_pages} pages, at token {out1.checkpoint_positions[0]}")
+logits2, second, out2 = store.prefill(turn2)
+pages("request 2 prefilled (80 tokens)")
+print(f"  request 2 resumes at token {out2.usable_hit}; its first blocks of layer {layer} are "
+      f"{second.block_table(layer)[:3]}, request 1's were {written[:3]}: read in place")
+cold = HybridCache(tiny)
+print(f"  logits equal a cold prefill: {np.abs(logits2 - model.prefill(turn2, cold)[out2.usable_hit:]).max() < 1e-10}")
+second.free()
+pages("request 2 finished and freed")
+
+# %% [markdown]
+# Request 1 held 12 state pages while it ran (one page of KDA state and one of conv state
+# per KDA layer, at 32 KiB a page); they came back the moment it finished, and so did
+# the partial last block it wrote (2 pages). Its three whole prompt blocks (6 pages) and
+# its checkpoint (8 pages) stayed. Request 2 started on exactly those pages — same
+# allocation ids, no copy — and took from the free pages only its own states, its two
+# new blocks and a checkpoint at its end, which stay cached after it. The pool holds
+# both kinds of memory, so under pressure a running request comes first: when a request
+# needs pages and none are free, the pool asks the prefix cache to evict unpinned blocks
+# and checkpoints (`PagePool.reclaim`, wired to `HybridPrefixCache.make_room`).
 
 # %% [markdown]
 # ## The traces and the budget
@@ -248,12 +305,18 @@ capacities = {
     "conversation": [2**15, 2**16, 2**17, 2**18, 2**19],  # x32 for the full trace
     "agent": [2**15, 2**16, 2**17, 2**18, 2**19],
 }
+def replay(records, policy, capacity_tokens):
+    """One run of the simulation loop through a hybrid prefix cache of this capacity (tokens of 48B KV)."""
+    policy = prefix.make_policy(policy) if isinstance(policy, str) else policy
+    cache = prefix.HybridPrefixCache.for_budget(CFG, policy, block_size=BLOCK, capacity_tokens=capacity_tokens)
+    return simulate(records, cache=cache)
+
+
 results = {}
 for key, records in traces.items():
     for cap in capacities[key]:
         for name in POLICIES:
-            results[key, name, cap] = prefix.replay(records, name, config=CFG, block_size=BLOCK,
-                                                    capacity_tokens=cap)
+            results[key, name, cap] = replay(records, name, cap)
 for key in traces:
     gb = [cap * kv_per_token / 1e9 for cap in capacities[key]]
     print(f"{key}: usable hit rate (KV hit rate) at capacity")
@@ -317,8 +380,7 @@ sweep = {("align", 2048): results["conversation", "align", sweep_cap]}  # align'
 for name in ("align", "dual"):
     for iv in intervals:
         if (name, iv) not in sweep:
-            sweep[name, iv] = prefix.replay(conversation, prefix.make_policy(name, interval=iv),
-                                            config=CFG, block_size=BLOCK, capacity_tokens=sweep_cap)
+            sweep[name, iv] = replay(conversation, prefix.make_policy(name, interval=iv), sweep_cap)
 dual_plain = results["conversation", "dual", sweep_cap]
 
 
@@ -422,7 +484,7 @@ for n in names:
 #
 # Hit rates weigh every token the same. Prefill cost does not: global attention over a
 # long cached prefix costs more per new token, and a hit skips the whole prefix.
-# `memory.prefill_flops(cfg, n_new, n_cached)` counts the analytic FLOPs, so the
+# `costs.prefill_flops(cfg, n_new, n_cached)` counts the analytic FLOPs, so the
 # saving of a request is `prefill_flops(n) - prefill_flops(n - usable, usable)`:
 
 # %%
@@ -515,7 +577,7 @@ for key in traces:
 #   0.26 GB), not 34x:
 #   our baselines share our block size, pool and eviction code, the traffic is
 #   synthetic, and we do not simulate TTFT (chapter 10 does scheduling). The direction
-#   agrees; the size of the effect depends on how badly the baseline spends memory.
+#   agrees; the size of the effect depends on how badly the baseline spends costs.
 #
 # Where our `dual` is simpler than Marconi: states sit on 512-token block boundaries
 # (Marconi's tree is per token); the "sequence end" is the end of the prompt's last
@@ -547,6 +609,9 @@ for name in POLICIES:
 #   checkpoint per node, both in one page pool; policies decide where states go and
 #   what to evict. Resuming from a checkpoint is exact (logits and final cache equal a
 #   cold prefill to < 1e-10 on the tiny model).
+# - Requests and the cache share that one pool: a request writes its prompt's KV into
+#   pages the tree keeps, so when it finishes, its blocks are already cached prefix; the
+#   next request reads them in place. Only states are copied.
 # - At equal memory `dual` (request ends + branch points, FLOP-aware eviction) beats
 #   `align` and `every-block` on both traces: on the conversation sub-trace 0.410 vs
 #   0.210 and 0.115 at 1.06 GB, reaching the attention bound (0.677) at 4.23 GB.
@@ -562,19 +627,19 @@ for name in POLICIES:
 # ## Exercises
 #
 # 1. **How many pages?** Kimi-Linear-48B with 256-token blocks instead of 512: how many
-#    pool pages does one checkpoint take? Use `memory.checkpoint_bytes` and
-#    `memory.kv_bytes_per_token`, and round up as the pool does.
+#    pool pages does one checkpoint take? Use `costs.checkpoint_bytes` and
+#    `costs.kv_bytes_per_token`, and round up as the pool does.
 
 # %%
 answer = None  # your number of pages
-check(answer, -(-memory.checkpoint_bytes(CFG) // (256 * memory.kv_bytes_per_token(CFG))),
+check(answer, -(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(CFG))),
       name="checkpoint pages at 256-token blocks",
       hint="ceil(checkpoint_bytes / (256 * kv_bytes_per_token)); smaller pages, more of them.")
 
 # %% [markdown]
 # <details><summary>Solution</summary>
 #
-# `-(-memory.checkpoint_bytes(CFG) // (256 * memory.kv_bytes_per_token(CFG)))` = 22
+# `-(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(CFG)))` = 22
 # pages (21.03 rounded up). The checkpoint does not shrink with the block; the page does.
 # </details>
 #
@@ -588,7 +653,7 @@ check(answer, -(-memory.checkpoint_bytes(CFG) // (256 * memory.kv_bytes_per_toke
 #    block is cached too). Does the usable hit rate change? Why can a token-exact match
 #    inside a block never be *usable* for a hybrid model?
 # 5. **The full hour.** The command-line tool replays any Mooncake-format trace, for
-#    example `python -m kimilab.prefix ../data/conversation_like.jsonl --capacity-tokens
+#    example `python -m kimilab prefix ../data/conversation_like.jsonl --capacity-tokens
 #    4194304 --policy align` (a few CPU seconds each). Compare the four policies on all
 #    12,044 requests at 8.5 GB (`1048576`) and 33.8 GB (`4194304`). Is the ranking the
 #    same as on the 1-in-32 sub-trace? Which gap grows?
