@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kimilab.validate import check_int
+
 __all__ = ["CACHE_KINDS", "PAGE_KINDS", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
 
 # The kinds of memory, named once for the whole package. A request holds the three
@@ -67,16 +69,10 @@ class ModelConfig:
 
         if not self.layer_pattern or set(self.layer_pattern) - {"K", "A"}:
             bad("layer_pattern", "a non-empty string of 'K' (KDA) and 'A' (global attention)")
-        for name in ("d_model", "n_heads", "head_dim", "vocab_size", "mlp_hidden", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                bad(name, "a positive int")
+        for name in ("d_model", "n_heads", "head_dim", "vocab_size", "mlp_hidden", "chunk_size", "conv_kernel"):
+            check_int(f"ModelConfig.{name}", getattr(self, name), 1)
         for name in ("attn_heads", "attn_kv_heads", "attn_head_dim", "kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                bad(name, "a non-negative int (0 means 'same as the KDA value')")
-        if not isinstance(self.conv_kernel, int) or self.conv_kernel < 1:
-            bad("conv_kernel", "an int >= 1")
+            check_int(f"ModelConfig.{name}", getattr(self, name), 0, unit="0 means 'same as the KDA value'")
         if self.attn_kind not in _ATTN_KINDS:
             bad("attn_kind", f"one of {_ATTN_KINDS}")
         if self.gate not in _GATES:

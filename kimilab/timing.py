@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from kimilab.validate import check_int
+
 __all__ = ["best_seconds"]
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 3, *, warmup: int = 0) -> float:
     """The fastest of ``repeats`` calls of ``fn()`` in seconds (after ``warmup`` untimed calls)."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: expected an int >= 1")
+    check_int("repeats", repeats, 1)
     for _ in range(warmup):
         fn()
     best = float("inf")

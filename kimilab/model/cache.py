@@ -59,7 +59,7 @@ def check_runnable_config(config) -> None:
         )
     if config.attn_kind == "mla":
         raise ValueError(
-            f"config.attn_kind='mla': the runnable cache stores per-head K and V; "
+            "config.attn_kind='mla': the runnable cache stores per-head K and V; "
             "use attn_kind 'mha' or 'gqa' (MLA is modelled analytically in kimilab.costs)"
         )
 

@@ -15,13 +15,11 @@ how to rank evictable things (lower goes first).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kimilab.prefix.radix import Node
+from kimilab.validate import check_float, check_int
 
 if TYPE_CHECKING:
     from kimilab.prefix.hybrid import HybridPrefixCache
@@ -74,8 +72,7 @@ class Policy:
 def check_interval(interval, block_size: int, name: str) -> None:
     if interval is None:
         return
-    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval <= 0:
-        raise ValueError(f"{name}.interval={interval!r}: expected a positive int (tokens) or None")
+    check_int(f"{name}.interval", interval, 1, unit="tokens, or None")
     if interval % block_size:
         raise ValueError(
             f"{name}.interval={interval}: expected a multiple of block_size={block_size} "
@@ -153,9 +150,7 @@ class Dual(Policy):
     protect_branch_points = True
 
     def __init__(self, interval: int | None = None, alpha: float = 0.005):
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
-                alpha >= 0 and math.isfinite(alpha)):
-            raise ValueError(f"Dual.alpha={alpha!r}: expected a finite float >= 0")
+        check_float("Dual.alpha", alpha, minimum=0.0)
         self.interval = interval
         self.alpha = float(alpha)
         self._value_cache: dict[int, float] = {}

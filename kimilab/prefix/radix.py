@@ -120,8 +120,7 @@ class RadixTree:
         on_evict: Callable[[Node], None] | None = None,
         reclaim: Callable[[int], bool] | None = None,
     ):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size={block_size!r}: expected a positive int (tokens per block)")
+        block_size = check_int("block_size", block_size, 1, unit="tokens per block")
         self.allocs_per_node = check_int("allocs_per_node", allocs_per_node, 1)
         self.pool = pool
         self.block_size = block_size
