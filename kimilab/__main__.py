@@ -59,7 +59,8 @@ def _parser() -> _Parser:
                                    "cache and print one JSON object of hit rates, memory and FLOPs.")
     p.add_argument("trace", metavar="TRACE.jsonl",
                    help="Mooncake jsonl trace (timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--policy", choices=sorted(POLICIES), required=True)
+    p.add_argument("--policy", choices=list(POLICIES), required=True,
+                   help="where KDA states are checkpointed: " + ", ".join(POLICIES))
     p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
                    help="cache memory in tokens of the model's KV (N * kv_bytes_per_token bytes), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")
@@ -97,8 +98,8 @@ def _prefix(args, parser) -> int:
     from kimilab.sim import simulate
     from kimilab.traffic import load_trace
 
-    if args.policy == "kv-only" and args.interval is not None:
-        parser.error("--interval: the kv-only policy keeps no checkpoints")
+    if args.interval is not None and args.policy not in ("align", "dual"):
+        parser.error(f"--interval: only align and dual take a checkpoint interval, not {args.policy}")
     if args.capacity_tokens is not None and args.capacity_tokens < args.block_size:
         parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one block "
                      f"(--block-size={args.block_size})")

@@ -107,6 +107,22 @@ def _title(nb_path: Path) -> str:
     return nb_path.stem
 
 
+def _md_title(page: Path) -> str:
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return page.stem
+
+
+def _markdown_page(page: Path) -> str:
+    """A markdown file of chapters/ as a standalone HTML page (nbconvert's own markdown renderer)."""
+    from nbconvert.filters.markdown import markdown2html
+
+    body = markdown2html(page.read_text(encoding="utf-8"))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_md_title(page))}</title>"
+            f"</head><body>\n{body}\n</body></html>\n")
+
+
 def render_html(nb_paths: list[Path], seconds: dict[str, float]) -> Path:
     """Render each executed notebook to HTML and write an index linking them in order."""
     import nbformat
@@ -121,6 +137,14 @@ def render_html(nb_paths: list[Path], seconds: dict[str, float]) -> Path:
         secs = seconds.get(path.stem)
         when = f" <small>({secs:.1f} s)</small>" if secs is not None else ""
         items.append(f'<li><a href="{path.stem}.html">{html.escape(_title(path))}</a>{when}</li>')
+    for page in sorted(CHAPTERS.glob("*.md")):  # e.g. references.md, which chapters link to
+        (BUILD / f"{page.stem}.html").write_text(_markdown_page(page), encoding="utf-8")
+        items.append(f'<li><a href="{page.stem}.html">{html.escape(_md_title(page))}</a></li>')
+    for out in BUILD.glob("*.html"):  # links between pages point at the rendered pages
+        text = out.read_text(encoding="utf-8")
+        fixed = re.sub(r'href="([a-z0-9_]+)\.(?:md|ipynb|py)(#[^"]*)?"', r'href="\1.html\2"', text)
+        if fixed != text:
+            out.write_text(fixed, encoding="utf-8")
     index = BUILD / "index.html"
     index.write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>kimilab</title></head><body>\n"

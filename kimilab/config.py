@@ -3,8 +3,14 @@
 A config is plain data. It says which layers are KDA ("K") and which keep
 global attention ("A"), and the sizes of every cache a request will hold.
 Real-model presets (``kimi_linear_48b`` and its baselines) are *shapes only*:
-they feed the analytic memory model, never a weight matrix. ``tiny`` is the
-reduced model the book actually runs on a CPU.
+they feed the analytic memory model, never a weight matrix, and carry their
+parameter counts as a :class:`WeightModel` (``cfg.weights``), so a renamed or
+edited copy keeps them. ``tiny`` is the reduced model the book actually runs on
+a CPU.
+
+Sources for the 48B shapes: the public ``config.json`` of
+moonshotai/Kimi-Linear-48B-A3B-Instruct on Hugging Face and the Kimi Linear
+tech report (arXiv:2510.26692); see ``chapters/references.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from kimilab.validate import check_int
 
-__all__ = ["CACHE_KINDS", "PAGE_KINDS", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
+__all__ = ["CACHE_KINDS", "PAGE_KINDS", "WeightModel", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
 
 # The kinds of memory, named once for the whole package. A request holds the three
 # CACHE_KINDS; a pool page can also hold a prefix cache's state checkpoint or
@@ -24,6 +30,54 @@ PAGE_KINDS = CACHE_KINDS + ("checkpoint", "scratch")
 _ATTN_KINDS = ("mha", "gqa", "mla")
 _GATES = ("softplus", "lowerbound")
 _DTYPES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_RUNNABLE_DTYPES = ("float64", "float32")  # numpy has no bfloat16: only shapes-only configs may say it
+
+
+@dataclass(frozen=True)
+class WeightModel:
+    """Parameter counts that decide how many weight bytes a model holds and a step reads.
+
+    A mixture-of-experts model activates ``active_params`` per token; its routed experts
+    (``n_routed_experts``, ``routed_top_k`` per token) hold the rest. With B tokens in a
+    step, each routed expert is touched with probability 1 - (1 - k/E)^B (uniform routing,
+    an assumption), so the bytes read grow from the active count at B = 1 towards all
+    parameters at large B. Dense models (E = 0) read everything every step.
+    """
+
+    total_params: float
+    active_params: float
+    n_routed_experts: int = 0
+    routed_top_k: int = 0
+    bytes_per_param: int = 2
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.active_params <= self.total_params:
+            raise ValueError(f"WeightModel.active_params={self.active_params!r}: expected 0 < active <= total")
+        if self.n_routed_experts and not 0 < self.routed_top_k < self.n_routed_experts:
+            raise ValueError(f"WeightModel.routed_top_k={self.routed_top_k!r}: expected 0 < k < n_routed_experts")
+        if self.bytes_per_param not in (1, 2, 4, 8):
+            raise ValueError(f"WeightModel.bytes_per_param={self.bytes_per_param!r}: expected 1, 2, 4 or 8")
+
+    @property
+    def routed_params(self) -> float:
+        """Parameters inside routed experts, from total = dense + R, active = dense + R k/E."""
+        if not self.n_routed_experts:
+            return 0.0
+        frac = self.routed_top_k / self.n_routed_experts
+        return (self.total_params - self.active_params) / (1.0 - frac)
+
+    @property
+    def dense_params(self) -> float:
+        return self.total_params - self.routed_params
+
+    def params_read(self, batch: int) -> float:
+        """Expected distinct parameters one decode step over ``batch`` tokens touches."""
+        batch = check_int("batch", batch, 1)
+        if not self.n_routed_experts:
+            return self.total_params
+        miss = (1.0 - self.routed_top_k / self.n_routed_experts) ** batch
+        return self.dense_params + self.routed_params * (1.0 - miss)
 
 
 @dataclass(frozen=True)
@@ -49,16 +103,22 @@ class ModelConfig:
     attn_kv_heads: int = 0  # KV heads of a global layer (0 -> attn_heads)
     attn_head_dim: int = 0  # head dim of a global layer (0 -> head_dim)
     kv_lora_rank: int = 0  # MLA latent width (attn_kind == "mla")
-    qk_rope_head_dim: int = 0  # MLA decoupled rope key width, cached beside the latent
+    # MLA's decoupled key part, cached beside the latent (the public config's own name). In
+    # DeepSeek-style MLA these dims carry RoPE; Kimi Linear sets ``mla_use_nope: true``, so
+    # they are NOT rotated -- but they are still computed, cached and enter the scores.
+    qk_rope_head_dim: int = 0
     conv_kernel: int = 4
     gate: str = "softplus"  # KDA forget gate: "softplus" or "lowerbound"
     gate_lower_bound: float = -5.0  # used when gate == "lowerbound"; in [-5, 0)
     chunk_size: int = 64  # chunked-KDA chunk length for prefill
-    dtype: str = "float64"  # compute dtype of the runnable model
+    # Element type: the compute dtype of a runnable model ("float64"/"float32"), or the
+    # served weight dtype of a shapes-only preset (e.g. "bfloat16").
+    dtype: str = "float64"
     kv_bytes: int = 8  # bytes per stored KV element
     state_bytes: int = 8  # bytes per stored KDA state element
     conv_bytes: int = 8  # bytes per stored conv-state element
     shapes_only: bool = False  # True for real-model presets (no weights can be built)
+    weights: WeightModel | None = None  # parameter counts; required for shapes-only cost models
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -79,8 +139,11 @@ class ModelConfig:
             bad("gate", f"one of {_GATES}")
         if not -5.0 <= self.gate_lower_bound < 0.0:
             bad("gate_lower_bound", "a float in [-5, 0)")
-        if self.dtype not in ("float64", "float32"):
-            bad("dtype", "'float64' or 'float32'")
+        if self.dtype not in (_DTYPES if self.shapes_only else _RUNNABLE_DTYPES):
+            bad("dtype", f"one of {_RUNNABLE_DTYPES} (a runnable model computes in numpy)"
+                if not self.shapes_only else f"one of {tuple(_DTYPES)}")
+        if self.weights is not None and not isinstance(self.weights, WeightModel):
+            bad("weights", "a kimilab.config.WeightModel or None")
         for name in ("kv_bytes", "state_bytes", "conv_bytes"):
             if getattr(self, name) not in (1, 2, 4, 8):
                 bad(name, "1, 2, 4 or 8 bytes per element")
@@ -120,7 +183,7 @@ class ModelConfig:
 
     @property
     def kv_elems_per_token_layer(self) -> int:
-        """Elements one global layer stores per token (K and V, or MLA latent + rope key)."""
+        """Elements one global layer stores per token (K and V, or MLA latent + decoupled key part)."""
         if self.attn_kind == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.attn_kv_heads_eff * self.attn_head_dim_eff
@@ -142,6 +205,7 @@ class ModelConfig:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype`` (compute width, or served weight width if shapes only)."""
         return _DTYPES[self.dtype]
 
     def with_(self, **changes) -> "ModelConfig":
@@ -169,8 +233,18 @@ tiny = ModelConfig(
     notes="runnable reduced model: seeded random weights, untrained",
 )
 
-# Kimi-Linear-48B-A3B shapes (tech report / public config): MLA at 1-based layers
-# 4, 8, 12, 16, 20, 24, 27 (20 KDA : 7 MLA); bf16 KV, fp32 KDA state.
+# Kimi-Linear-48B-A3B: ~48B total, ~3B activated (tech report, abstract); 256 routed experts,
+# 8 per token (public config: num_experts, num_experts_per_token); bf16 weights.
+KIMI_LINEAR_48B_WEIGHTS = WeightModel(
+    48e9, 3e9, n_routed_experts=256, routed_top_k=8, bytes_per_param=2,
+    source="Kimi-Linear-48B-A3B: ~48B total, ~3B activated (tech report, abstract); 8 of 256 "
+           "routed experts per token (public config); bf16",
+)
+
+# Kimi-Linear-48B-A3B shapes (public config.json): MLA at 1-based layers 4, 8, 12, 16, 20,
+# 24, 27 (20 KDA : 7 MLA); MLA caches kv_lora_rank 512 + qk_rope_head_dim 64 per token
+# (with mla_use_nope: true the 64 dims are an unrotated decoupled key part); bf16 KV and conv
+# state; fp32 KDA state (vLLM's choice for KDA: MambaStateDtypeCalculator.kda_state_dtype).
 kimi_linear_48b = ModelConfig(
     name="kimi_linear_48b",
     layer_pattern=_pattern_from_attn_layers(27, (4, 8, 12, 16, 20, 24, 27)),
@@ -183,17 +257,19 @@ kimi_linear_48b = ModelConfig(
     attn_heads=32,
     kv_lora_rank=512,
     qk_rope_head_dim=64,
-    dtype="float32",
+    dtype="bfloat16",
     kv_bytes=2,
     state_bytes=4,
     conv_bytes=2,
     shapes_only=True,
-    notes="shapes only; MoE MLP not modelled",
+    weights=KIMI_LINEAR_48B_WEIGHTS,
+    notes="shapes only; MoE MLP modelled by its parameter counts (weights), not its shapes",
 )
 
-# The same 27 layers, all MLA: the full-attention baseline of the tech report.
+# The same 27 layers, all MLA: the full-attention baseline of the tech report. Its weights
+# are assumed equal to the hybrid's (the report compares models of similar size).
 all_mla_27 = kimi_linear_48b.with_(
-    name="all_mla_27", layer_pattern="A" * 27, notes="shapes only; all-MLA baseline"
+    name="all_mla_27", layer_pattern="A" * 27, notes="shapes only; all-MLA baseline (weights assumed equal)"
 )
 
 # A GQA model for contrast (Llama-3-8B-like shapes: 32 layers, 8 KV heads of 128, bf16).
@@ -209,11 +285,12 @@ gqa_8b = ModelConfig(
     attn_heads=32,
     attn_kv_heads=8,
     attn_head_dim=128,
-    dtype="float32",
+    dtype="bfloat16",
     kv_bytes=2,
     state_bytes=4,
     conv_bytes=2,
     shapes_only=True,
+    weights=WeightModel(8.03e9, 8.03e9, bytes_per_param=2, source="Llama-3-8B-like dense, bf16"),
     notes="shapes only; GQA contrast",
 )
 

@@ -43,6 +43,16 @@ def test_prefix_prints_one_json_object_with_the_documented_keys(trace, capsys):
     assert out["recomputed_tokens"] == out["prompt_tokens"] - out["usable_hit_tokens"]
 
 
+@pytest.mark.parametrize("policy", ["ends", "ends+branch"])
+def test_the_ends_policies_are_named_in_the_cli(trace, capsys, policy):
+    out = run_json(capsys, ["prefix", str(trace), "--capacity-tokens", "100000", "--policy", policy])
+    assert out["policy"] == out["policy_detail"] == policy
+    assert out["checkpoints_admitted"] == {"ends": 4, "ends+branch": 5}[policy]  # one request end each (+ a branch)
+    with pytest.raises(SystemExit) as exc:
+        main(["prefix", str(trace), "--capacity-tokens", "100000", "--policy", policy, "--interval", "1024"])
+    assert exc.value.code == 2 and "--interval" in capsys.readouterr().err
+
+
 def test_unbounded_capacity_equals_a_huge_one_and_needs_no_huge_memory(capsys, data_dir):
     """`inf` and 10^13 tokens (which once tried to allocate 146 GiB of bookkeeping) give the same hits."""
     agent = str(data_dir / "agent.jsonl")

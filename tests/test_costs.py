@@ -123,25 +123,70 @@ def test_weights_and_roofline():
     assert t == pytest.approx(m.decode_step_bytes(all_mla_27, M) / m.HBM_BANDWIDTH_BYTES_PER_S)
 
 
-def test_batch_that_fits():
-    node = m.DEFAULT_DEPLOYMENT
-    free = node.hbm_bytes - m.weight_bytes(kimi_linear_48b)
-    b = m.max_batch(kimi_linear_48b, M)
-    assert b * m.request_total_bytes(kimi_linear_48b, M) <= free < (b + 1) * m.request_total_bytes(kimi_linear_48b, M)
-    assert m.max_batch(kimi_linear_48b, M) > 3 * m.max_batch(all_mla_27, M)
+TP8 = m.Deployment(m.H800_CLASS, 8, "tp")
+DP8 = m.Deployment(m.H800_CLASS, 8, "dp")
+
+
+def test_default_deployment_is_tensor_parallel():
+    assert m.DEFAULT_DEPLOYMENT == TP8 and m.DEFAULT_DEPLOYMENT.attention == "tp"
+    assert TP8.with_attention("dp") == DP8
+    with pytest.raises(ValueError, match="attention='sp'"):
+        m.Deployment(m.H800_CLASS, 8, "sp")
+
+
+def test_what_each_rank_holds():
+    # MLA has one latent KV head: TP replicates it; KDA states shard by head.
+    assert m.kv_rank_fraction(kimi_linear_48b, TP8) == 1.0
+    assert m.state_rank_fraction(kimi_linear_48b, TP8) == 4 / 32
+    assert m.request_rank_bytes(kimi_linear_48b, M, TP8) == M * 8064 + m.checkpoint_bytes(kimi_linear_48b) // 8
+    assert m.kv_rank_fraction(gqa_8b, TP8) == 1 / 8  # 8 KV heads over 8 ranks
+    assert m.kv_rank_fraction(gqa_8b, m.Deployment(m.H800_CLASS, 16)) == 1 / 8  # at least one head per rank
+    # DP-attention: the request's rank holds all of it; the mixers' weights are replicated.
+    assert m.request_rank_bytes(kimi_linear_48b, M, DP8) == m.request_total_bytes(kimi_linear_48b, M)
+    mixers = m.mixer_params(kimi_linear_48b) * 2
+    assert m.rank_weight_bytes(kimi_linear_48b, DP8) == pytest.approx(mixers + (96e9 - mixers) / 8)
+    assert m.rank_weight_bytes(kimi_linear_48b, TP8) == pytest.approx(96e9 / 8)
+    assert [m.requests_on_busiest_rank(b, DP8) for b in (1, 8, 9)] == [1, 1, 2]
+    assert m.requests_on_busiest_rank(9, TP8) == 9
+
+
+def test_batch_that_fits_tp_and_dp():
+    for dep in (TP8, DP8):
+        free = dep.device.hbm_bytes - m.rank_weight_bytes(kimi_linear_48b, dep)
+        per = m.request_rank_bytes(kimi_linear_48b, M, dep)
+        per_rank = m.max_batch(kimi_linear_48b, M, dep) // (1 if dep.attention == "tp" else 8)
+        assert per_rank * per <= free < (per_rank + 1) * per
+    # 1M-token requests: the reviewer's TP numbers, and DP-attention's.
+    assert (m.max_batch(kimi_linear_48b, M, TP8), m.max_batch(all_mla_27, M, TP8)) == (8, 2)
+    assert (m.max_batch(kimi_linear_48b, M, DP8), m.max_batch(all_mla_27, M, DP8)) == (56, 16)
     assert m.max_batch(kimi_linear_48b, M, m.Deployment(m.H800_CLASS, 1)) == 0  # 96 GB of weights > 80 GB
     with pytest.raises(ValueError, match="not one request"):
         m.decode_point(kimi_linear_48b, M, deployment=m.Deployment(m.H800_CLASS, 1))
 
 
-def test_tpot_gap_at_1m_is_computed_not_asserted():
-    # Batch 1: the hybrid reads fewer cache bytes per token, diluted by the weights.
+@pytest.mark.parametrize("cfg", [kimi_linear_48b, all_mla_27, gqa_8b], ids=lambda c: c.name)
+def test_one_device_tp_equals_dp(cfg):
+    tp, dp = m.Deployment(m.H800_CLASS, 2, "tp"), m.Deployment(m.H800_CLASS, 2, "dp")
+    one_tp, one_dp = m.Deployment(m.H800_CLASS, 1, "tp"), m.Deployment(m.H800_CLASS, 1, "dp")
+    for L in (1000, K128):
+        assert m.max_batch(cfg, L, one_tp) == m.max_batch(cfg, L, one_dp)
+        assert m.decode_step_seconds(cfg, L, 3, one_tp) == m.decode_step_seconds(cfg, L, 3, one_dp)
+        assert m.decode_step_seconds(cfg, L, 1, tp) > 0 and m.decode_step_seconds(cfg, L, 1, dp) > 0
+
+
+def test_decode_at_1m_batch_one_and_throughput():
+    # Batch 1 under TP: every rank reads the whole latent of the all-MLA model.
     h1, b1 = m.decode_point(kimi_linear_48b, M, 1), m.decode_point(all_mla_27, M, 1)
-    assert 2.0 < b1.step_seconds / h1.step_seconds < 3.0
-    # Largest batches: per-token cost gap approaches (not exceeds) the cache-byte ratio.
-    h, b = m.decode_point(kimi_linear_48b, M), m.decode_point(all_mla_27, M)
-    gap = b.seconds_per_token / h.seconds_per_token
-    assert b1.step_seconds / h1.step_seconds < gap < m.kv_bytes_per_token(all_mla_27) / m.kv_bytes_per_token(kimi_linear_48b)
+    assert 3.5 < b1.step_seconds / h1.step_seconds < 3.7
+    assert h1.rank_bytes == m.decode_rank_bytes(kimi_linear_48b, M, 1)
+    assert h1.step_seconds == pytest.approx(h1.rank_bytes / m.HBM_BANDWIDTH_BYTES_PER_S)  # memory-bound
+    for dep in (TP8, DP8):
+        h, b = m.decode_point(kimi_linear_48b, M, None, dep), m.decode_point(all_mla_27, M, None, dep)
+        gain = h.tokens_per_second / b.tokens_per_second  # throughput, not TPOT
+        assert 3.0 < gain < m.kv_bytes_per_token(all_mla_27) / m.kv_bytes_per_token(kimi_linear_48b)
+        assert h.seconds_per_token == pytest.approx(1 / h.tokens_per_second)
+    # At its larger batch the hybrid's step (each request's TPOT) is NOT shorter under TP.
+    assert m.decode_point(kimi_linear_48b, M).step_seconds > m.decode_point(all_mla_27, M).step_seconds
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "10", None, True])
@@ -176,13 +221,125 @@ def test_cache_anatomy_rows():
 
 def test_summary_compares_two_configs():
     lines = m.summary(kimi_linear_48b, all_mla_27, contexts=(M,))
-    assert lines[0].startswith("deployment: 8 x H800-class")
-    assert len(lines) == 2 + 2 + 4
+    assert lines[0].startswith("deployment: 8 x H800-class") and lines[0].endswith("tp attention")
+    assert len(lines) == 2 + 2 + 5
     row = {line[:36].strip(): line[36:].split() for line in lines[2:]}
     assert row["KV bytes per token"] == ["8,064", "31,104", "3.86x"]
-    assert row["@1,048,576: largest batch"][:2] == ["64", "16"]
+    assert row["@1,048,576: largest batch"][:2] == ["8", "2"]
+    assert m.summary(kimi_linear_48b, all_mla_27, DP8, contexts=(M,))[5].split()[-3:-1] == ["56", "16"]
     one = m.summary(kimi_linear_48b, all_mla_27, m.Deployment(m.H800_CLASS, 1), contexts=(M,))
     assert one[-1].split()[-3:] == ["-", "-", "-"]  # the 48B weights alone fill one device
+
+
+# ----- the weight model lives on the config ---------------------------------------
+
+def test_weight_model_survives_a_rename():
+    renamed = kimi_linear_48b.with_(name="my_48b")
+    assert m.weight_bytes(renamed) == 96_000_000_000 == m.weight_bytes(kimi_linear_48b)
+    one_to_one = kimi_linear_48b.with_(name="kimi-1to1", layer_pattern="KA" * 13 + "A")
+    assert m.weight_model(one_to_one) is kimi_linear_48b.weights
+    assert m.PUBLISHED_WEIGHTS["kimi_linear_48b"] is kimi_linear_48b.weights  # old name still there
+
+
+def test_shapes_only_config_without_weights_raises():
+    bare = kimi_linear_48b.with_(name="bare", weights=None)
+    with pytest.raises(ValueError, match="'bare' is shapes only and has no weight model"):
+        m.weight_bytes(bare)
+    assert m.weight_model(tiny).total_params == m.estimate_params(tiny)  # runnable: estimated, dense
+    assert m.weight_model(tiny).bytes_per_param == 8
+
+
+def test_served_dtype_is_bf16_and_runnable_models_need_numpy_dtypes():
+    assert kimi_linear_48b.dtype == "bfloat16" and kimi_linear_48b.itemsize == 2
+    with pytest.raises(ValueError, match="dtype"):
+        tiny.with_(dtype="bfloat16")
+    with pytest.raises(ValueError, match="weights"):
+        kimi_linear_48b.with_(weights=96e9)
+
+
+# ----- crossover, bf16 state ---------------------------------------------------------
+
+def test_crossover_fp32_and_bf16_state():
+    bf16 = kimi_linear_48b.with_(name="kimi-bf16-state", state_bytes=2)
+    for cfg, want in ((kimi_linear_48b, 1885), (bf16, 975)):
+        n = m.crossover_tokens(cfg, all_mla_27)
+        assert n == want
+        assert m.request_total_bytes(cfg, n) < m.request_total_bytes(all_mla_27, n)
+        assert m.request_total_bytes(cfg, n - 1) >= m.request_total_bytes(all_mla_27, n - 1)
+    assert m.crossover_tokens(all_mla_27, kimi_linear_48b) is None
+    assert m.crossover_tokens(tiny, tiny) is None
+    all_attn = tiny.with_(name="all-attn", layer_pattern="A" * 8)
+    first = next(n for n in range(10_000) if m.request_total_bytes(tiny, n) < m.request_total_bytes(all_attn, n))
+    assert m.crossover_tokens(tiny, all_attn) == first
+
+
+# ----- vLLM's hybrid pages -----------------------------------------------------------
+
+def test_vllm_hybrid_pages_for_kimi():
+    p = m.vllm_hybrid_pages(kimi_linear_48b)
+    assert isinstance(p, m.VllmHybridPages)
+    assert p.kv_token_bytes == 1152 and p.state_bytes == 32 * 128 * 128 * 4 + 3 * 12288 * 2 == 2_170_880
+    assert p.block_tokens == 1888 and p.block_tokens % 16 == 0
+    assert p.page_bytes >= p.state_bytes > (p.block_tokens - 16) * p.kv_token_bytes  # smallest that fits
+    assert (p.group_size, p.attn_groups, p.kda_groups, p.padded_layers) == (7, 1, 3, 1)
+    assert p.checkpoint_blocks == 3 and p.state_to_kv_blocks == 3.0
+    assert p.kv_blocks(1888) == 1 and p.kv_blocks(1889) == 2 and p.request_blocks(4000) == 3 + 3
+    assert p.block_bytes == 7 * p.page_bytes and p.checkpoint_page_bytes == 3 * p.block_bytes
+    # vs a whole-model checkpoint counted in 512-token KV blocks of all 7 MLA layers: 10.5
+    assert m.checkpoint_bytes(kimi_linear_48b) / (512 * m.kv_bytes_per_token(kimi_linear_48b)) == pytest.approx(10.516, abs=1e-3)
+
+
+def test_vllm_hybrid_pages_alignment_tp_and_errors():
+    assert m.vllm_hybrid_pages(kimi_linear_48b, align_tokens=64).block_tokens == 1920
+    tp8 = m.vllm_hybrid_pages(kimi_linear_48b, tensor_parallel=8)
+    assert tp8.state_bytes == 2_170_880 // 8 and tp8.kv_token_bytes == 1152 and tp8.block_tokens == 240
+    t = m.vllm_hybrid_pages(tiny)
+    assert (t.group_size, t.attn_groups, t.kda_groups, t.padded_layers) == (2, 1, 3, 0)
+    with pytest.raises(ValueError, match="needs both KDA and attention"):
+        m.vllm_hybrid_pages(all_mla_27)
+    with pytest.raises(ValueError, match="tensor_parallel=3"):
+        m.vllm_hybrid_pages(kimi_linear_48b, tensor_parallel=3)
+    # 13 of one kind and 12 of the other: vLLM pads to groups of 13 (max < 1.5 x min).
+    near = tiny.with_(name="near", layer_pattern="KA" * 12 + "K")
+    assert (m.vllm_hybrid_pages(near).group_size, m.vllm_hybrid_pages(near).padded_layers) == (13, 1)
+
+
+# ----- prefill time and checkpoint copies ---------------------------------------------
+
+def test_prefill_seconds_is_a_roofline():
+    n = 10_000
+    t = m.prefill_seconds(kimi_linear_48b, n)
+    flops = m.prefill_flops(kimi_linear_48b, n) / 8
+    compute = flops / (m.PEAK_BF16_FLOPS_PER_S * m.PREFILL_EFFICIENCY)
+    memory = (m.rank_weight_bytes_read(kimi_linear_48b, n, TP8)
+              + m.request_rank_bytes(kimi_linear_48b, n, TP8)) / m.HBM_BANDWIDTH_BYTES_PER_S
+    assert t == pytest.approx(max(compute, memory)) and compute > memory  # 10k tokens: compute-bound
+    assert m.prefill_seconds(kimi_linear_48b, n, efficiency=0.25) == pytest.approx(2 * t)
+    assert m.prefill_seconds(kimi_linear_48b, 0, 500) == 0.0
+    assert m.prefill_seconds(kimi_linear_48b, n, 0, DP8) > t  # one request's mixers stay on one rank
+    assert m.prefill_seconds(all_mla_27, n) > t
+    with pytest.raises(ValueError, match="efficiency"):
+        m.prefill_seconds(kimi_linear_48b, n, efficiency=0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 200_000), frac=st.floats(0, 1))
+def test_prefill_seconds_saved(n, frac):
+    hit = int(n * frac)
+    saved = m.prefill_seconds_saved(kimi_linear_48b, n, hit)
+    cold = m.prefill_seconds(kimi_linear_48b, n)
+    assert -1e-12 <= saved <= cold + 1e-12
+    assert m.prefill_seconds_saved(kimi_linear_48b, n, n) == pytest.approx(cold)
+    assert m.prefill_seconds_saved(kimi_linear_48b, n, 0) == 0.0
+
+
+def test_checkpoint_write_seconds():
+    b = m.checkpoint_bytes(kimi_linear_48b)
+    assert m.checkpoint_write_seconds(kimi_linear_48b) == pytest.approx(2 * b / 8 / m.HBM_BANDWIDTH_BYTES_PER_S)
+    assert m.checkpoint_write_seconds(kimi_linear_48b, DP8) == pytest.approx(2 * b / m.HBM_BANDWIDTH_BYTES_PER_S)
+    assert m.checkpoint_write_seconds(all_mla_27) == 0.0
+    with pytest.raises(ValueError, match="hit=11"):
+        m.prefill_seconds_saved(kimi_linear_48b, 10, 11)
 
 
 # ----- CacheShapes: the pool's record of the same bytes --------------------------

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from kimilab import kda
 from kimilab.kda import chunk
-from kimilab.kda.testing import GATES, random_inputs
+from kimilab.kda.testing import GATES, PROPERTY_EXAMPLES, random_inputs
 
-FAST = settings(max_examples=120, deadline=None)
+FAST = settings(max_examples=PROPERTY_EXAMPLES, deadline=None)
 
 
 def drawn_inputs(p, T=None):
@@ -54,6 +54,50 @@ def test_chunked_equals_recurrent_float64(p):
     assert s_c.shape == s_r.shape
     assert maxdiff(o_c, o_r) <= 1e-10
     assert maxdiff(s_c, s_r) <= 1e-10
+
+
+one_head = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**16),
+        "T": st.integers(0, 70),
+        "K": st.integers(1, 8),
+        "V": st.integers(1, 8),
+        "chunk": st.integers(1, 24),
+        "with_state": st.booleans(),
+        "gate": st.sampled_from(sorted(GATES)),
+    }
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(one_head)
+def test_naive_chunk_equals_recurrent_and_chunk(p):
+    """The readable one-head twin == the recurrence == the optimised kernel, in float64."""
+    (q, k, v, g, beta), S0 = random_inputs(p["T"], 1, p["K"], p["V"], seed=p["seed"], gate=p["gate"])
+    S0 = S0 if p["with_state"] else None
+    o_r, s_r = kda.recurrent_kda(q, k, v, g, beta, initial_state=S0)
+    o_n, s_n = kda.naive_chunk_kda(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                   initial_state=None if S0 is None else S0[0], chunk_size=p["chunk"])
+    o_c, s_c = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=p["chunk"])
+    assert o_n.shape == (p["T"], p["V"]) and s_n.shape == (p["K"], p["V"]) and o_n.dtype == np.float64
+    assert maxdiff(o_n, o_r[:, 0]) <= 1e-10 and maxdiff(s_n, s_r[0]) <= 1e-10
+    assert maxdiff(o_n, o_c[:, 0]) <= 1e-10 and maxdiff(s_n, s_c[0]) <= 1e-10
+
+
+def test_naive_chunk_checks_one_head_and_leaves_inputs_alone():
+    (q, k, v, g, beta), S0 = random_inputs(10, 1, 3, 2, seed=1)
+    args = [x[:, 0] for x in (q, k, v, g, beta)]
+    keep = [x.copy() for x in args] + [S0[0].copy()]
+    kda.naive_chunk_kda(*args, initial_state=S0[0], chunk_size=4)
+    assert all(np.array_equal(a, b) for a, b in zip(args + [S0[0]], keep))
+    with pytest.raises(ValueError, match=r"q: expected one head, shape \[10, 3\], got \(10, 1, 3\)"):
+        kda.naive_chunk_kda(q, *args[1:])
+    with pytest.raises(ValueError, match=r"beta: expected one head, shape \[10\]"):
+        kda.naive_chunk_kda(*args[:4], beta)
+    with pytest.raises(ValueError, match=r"initial_state: expected one head, shape \[3, 2\]"):
+        kda.naive_chunk_kda(*args, initial_state=S0)
+    with pytest.raises(ValueError, match=r"chunk_size=0"):
+        kda.naive_chunk_kda(*args, chunk_size=0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -127,7 +171,7 @@ def test_step_does_not_modify_state():
 
 
 def test_recurrent_matches_the_definition_for_one_head():
-    """The loop written out per head, straight from BOOK.md's three lines."""
+    """The loop written out per head, straight from the three lines of kda.recurrent's docstring."""
     (q, k, v, g, beta), S0 = random_inputs(9, 1, 3, 2, seed=7)
     S = S0[0].copy()
     outs = []
@@ -308,7 +352,36 @@ def test_flop_counts_and_state_bytes():
     assert full == 2 * kda.chunk_kda_flops(64, 2, 8, 8, 64)
     assert kda.chunk_kda_flops(100, 1, 8, 8, 64) == kda.chunk_kda_flops(64, 1, 8, 8, 64) + kda.chunk_kda_flops(36, 1, 8, 8, 36)
     assert isinstance(kda.chunk_kda_flops(4096, 4, 64, 64), int)
+    assert kda.recurrent_kda_flops(4096, 4, 64, 64) < kda.chunk_kda_flops(4096, 4, 64, 64, 16) \
+        < kda.chunk_kda_flops(4096, 4, 64, 64, 64) < kda.chunk_kda_flops(4096, 4, 64, 64, 256)
     assert kda.state_bytes(32, 128, 128, 4) == 32 * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("n, m", [(64, 128), (37, 10), (16, 8), (5, 3), (1, 4), (256, 128)])
+def test_solve_flops_count_the_products_the_solve_runs(n, m, monkeypatch):
+    """chunk_kda_flops counts block forward substitution, not an inverse: every matmul of
+    _unit_lower_solve is counted here (2 FLOPs per multiply-add), plus its subtractions."""
+    counted = [0]
+    real = np.matmul
+
+    def counting_matmul(a, b, out=None):
+        result = real(a, b)
+        counted[0] += 2 * result.size * a.shape[-1]
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    class CountingNumpy:
+        def __getattr__(self, name):
+            return counting_matmul if name == "matmul" else getattr(np, name)
+
+    monkeypatch.setattr(chunk, "np", CountingNumpy())
+    rng = np.random.default_rng(0)
+    chunk._unit_lower_solve(np.tril(rng.random((1, n, n)), -1), rng.random((1, n, m)))
+    b = min(16, n)
+    subtractions = (-(-n // b) - 1) * b * m
+    assert counted[0] + subtractions == chunk._solve_flops(n, m)
 
 
 # ----------------------------------------------------------------------------- errors

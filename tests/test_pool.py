@@ -139,7 +139,7 @@ def test_an_unbounded_accounting_pool_costs_memory_for_what_it_holds():
     """A pool of 2^62 pages (the CLI's --capacity-tokens inf) allocates like any other."""
     pool = PagePool(UNBOUNDED_PAGES, 4096, backed=False, name="unbounded")
     handles = [pool.allocate("kv", 3) for _ in range(1000)]
-    assert pool.n_used == 3000 and pool._stack.nbytes < 2**16
+    assert pool.n_used == 3000 and len(pool._page_kind) == 3000  # bookkeeping for pages used, not 2^62
     for h in handles:
         pool.free(h)
     assert pool.n_used == 0 and pool.capacity_bytes == UNBOUNDED_PAGES * 4096

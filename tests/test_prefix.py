@@ -9,8 +9,8 @@ from kimilab.config import kimi_linear_48b, tiny
 from kimilab.costs import CacheCosts
 from kimilab.model import HybridCache, Model
 from kimilab.pool import UNBOUNDED_PAGES, PagePool
-from kimilab.prefix import (Align, Dual, EveryBlock, HybridPrefixCache, KVOnly, ModelPrefixCache, RadixTree,
-                            make_policy)
+from kimilab.prefix import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, HybridPrefixCache, KVOnly,
+                            ModelPrefixCache, RadixTree, make_policy)
 from kimilab.sim import simulate
 from kimilab.traffic import Request
 
@@ -124,8 +124,8 @@ def test_with_unbounded_memory_every_block_reaches_the_attention_bound(paths):
     assert d.usable_hit_tokens <= b.usable_hit_tokens and d.kv_hit_tokens == b.kv_hit_tokens
 
 
-@settings(max_examples=50, deadline=None)
-@given(PATHS, st.integers(1, 80), st.sampled_from(["every-block", "align", "dual", "kv-only"]),
+@settings(max_examples=60, deadline=None)
+@given(PATHS, st.integers(1, 80), st.sampled_from(sorted(POLICIES)),
        st.booleans(), st.data())
 def test_invariants_hold_under_random_traffic(paths, capacity_blocks, name, partial, data):
     """Pool pages == tree KV + checkpoints; usable <= KV hit < prompt; pinned paths survive; no leaks."""
@@ -158,6 +158,57 @@ def test_invariants_hold_under_random_traffic(paths, capacity_blocks, name, part
     assert cache.pool.n_free == cache.pool.n_pages and cache.n_checkpoints == 0
     assert cache.tree.n_nodes == 0
     cache.check_invariants()
+
+
+def test_ends_admits_only_at_request_ends():
+    # A and B share two blocks then diverge (a branch point at 8); C extends B; D repeats A
+    recs = records_from_paths([[0, 0, 1, 1], [0, 0, 2], [0, 0, 2, 5, 5], [0, 0, 1, 1, 7]])
+    ends = make_cache(Ends(), capacity_tokens=10**5)
+    outs = [ends.serve(r.hash_ids, r.input_length) for r in recs]
+    assert [o.checkpoint_positions for o in outs] == [(16,), (12,), (20,), (20,)]
+    assert [o.usable_hit for o in outs] == [0, 0, 12, 16]  # only where an earlier request ended
+    branch = make_cache(EndsBranch(), capacity_tokens=10**5)
+    outs = [branch.serve(r.hash_ids, r.input_length) for r in recs]
+    assert [o.checkpoint_positions for o in outs] == [(16,), (8, 12), (20,), (20,)]
+    assert make_policy("ends").describe() == "ends" and make_policy("dual", alpha=0.0).alpha == 0.0
+    with pytest.raises(ValueError, match="unexpected options"):
+        make_policy("ends", interval=8)
+
+
+def _cache_numbers(res):
+    out = res.as_dict()
+    for key in ("policy", "wall_seconds"):
+        out.pop(key)
+    return out, [(o.kv_hit, o.usable_hit, o.checkpoint_positions) for o in res.per_request]
+
+
+@pytest.mark.parametrize("capacity_tokens", [1 << 14, 1 << 16, 1 << 18])
+def test_ends_branch_is_dual_at_alpha_zero(agent_trace, capacity_tokens):
+    """dual = ends+branch + alpha: with alpha 0 every hit, checkpoint and byte is the same."""
+    runs = [simulate(agent_trace, keep_per_request=True, cache=HybridPrefixCache.for_budget(
+        CFG, policy, block_size=512, capacity_tokens=capacity_tokens)) for policy in (EndsBranch(), Dual(alpha=0.0))]
+    assert _cache_numbers(runs[0]) == _cache_numbers(runs[1])
+
+
+# Hits, checkpoints and bytes of data/agent.jsonl at 2^16 tokens, as the unoptimised replay
+# (before the speed work) measured them: faster code must not change a single one.
+GOLDEN_AGENT_65536 = {
+    "kv-only": (3865088, 3865088, 0, 0, 528482304, 0),
+    "every-block": (2748928, 2206720, 10, 0, 74317824, 454164480),
+    "align": (3150848, 3007488, 676, 667, 198180864, 454164480),
+    "ends": (3458560, 3130880, 377, 370, 301400064, 408748032),
+    "ends+branch": (3423232, 3166208, 423, 416, 301400064, 408748032),
+    "dual": (3426304, 3174912, 428, 421, 301400064, 408748032),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_AGENT_65536))
+def test_replay_numbers_are_unchanged(agent_trace, name):
+    res = simulate(agent_trace, cache=HybridPrefixCache.for_budget(CFG, make_policy(name), block_size=512,
+                                                                    capacity_tokens=1 << 16))
+    got = (res.kv_hit_tokens, res.usable_hit_tokens, res.checkpoints_admitted, res.checkpoints_evicted,
+           res.kv_bytes_peak, res.checkpoint_bytes_peak)
+    assert got == GOLDEN_AGENT_65536[name]
 
 
 def test_evict_all_clears_everything_unpinned():

@@ -33,6 +33,33 @@ def test_plots_keys_are_fixed():
         plots.color("nope")
 
 
+@pytest.mark.parametrize("keys", [
+    ("no-cache", "kv-cache"),  # chapter 1, decode work and time
+    ("gqa", "all-mla", "hybrid", "weights"),  # chapter 1, KV bytes vs context
+    ("all-mla", "kv-cache", "kda-state"),  # chapter 2, state vs KV
+    ("kda-state", "conv-state", "kv-cache", "all-mla", "hybrid"),  # chapter 3, layers and memory
+    ("linear-attention", "delta-rule", "analytic"),  # chapter 2, read-back
+    ("recurrent", "chunked"),  # chapter 2, cost
+])
+def test_keys_sharing_a_figure_have_distinct_colours(keys):
+    colours = [plots.color(key) for key in keys]
+    assert len(set(colours)) == len(colours), dict(zip(keys, colours))
+
+
+def test_chapter1_exercise2_accepts_its_solution_and_rejects_wrong_ones():
+    """The stated solution (3.09 million tokens) passes; GiB-for-GB and the hybrid's answer fail."""
+    from kimilab import costs
+    from kimilab.config import all_mla_27, kimi_linear_48b
+
+    expected = costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27)
+    rtol = 0.01  # the tolerance chapter 1's check uses
+    assert checks.check(3.09e6, expected, name="ex2", rtol=rtol, verbose=False)
+    assert checks.check(3_086_420, expected, name="ex2", rtol=rtol, verbose=False)
+    assert not checks.check(96 * 2**30 / 31_104, expected, name="ex2", rtol=rtol, verbose=False)
+    hybrid = costs.weight_bytes(kimi_linear_48b) / costs.kv_bytes_per_token(kimi_linear_48b)
+    assert not checks.check(hybrid, expected, name="ex2", rtol=rtol, verbose=False)
+
+
 def test_save_names_and_writes(tmp_path, monkeypatch):
     import matplotlib
 

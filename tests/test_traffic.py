@@ -135,7 +135,7 @@ def test_segment_ids_match_token_ids(kind, seed, block):
     """Records computed from segments (no tokens) equal to_trace of the materialised tokens."""
     reqs = SMALL[kind](seed)
     specs = {
-        "chat": lambda: generators._chat_specs(6, seed, mean_turns=4, max_turns=16, system_len=40,
+        "chat": lambda: generators.chat_specs(6, seed, mean_turns=4, max_turns=16, system_len=40,
                                        user_len=20, reply_len=25, session_rate_per_s=0.5,
                                        think_ms=20_000.0),
         "agent": lambda: generators._agent_specs(4, seed, tool_prompt_len=70, task_len=15, mean_steps=5,
@@ -288,6 +288,27 @@ def test_committed_traces_load_and_readme_lists_them():
         assert name in readme and f"{len(records):,}" in readme
 
 
+def test_the_real_mooncake_trace_is_shipped_as_published_and_its_stats_run(capsys):
+    """data/mooncake_conversation.jsonl is Moonshot's file byte for byte (sha256, size), with its
+    licence; every line passes load_trace as is (its own timestamps, 512-token blocks);
+    `traces stats` reports it: 12,031 requests and the infinite-cache hit rate 0.374."""
+    import hashlib
+
+    from kimilab.__main__ import main
+
+    (name, facts), = wl.REAL_TRACES.items()
+    path = DATA / name
+    raw = path.read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == facts["sha256"] and len(raw) == facts["bytes"]
+    assert (DATA / "LICENSE-mooncake-APACHE").read_text().lstrip().startswith("Apache License")
+    readme = (DATA / "README.md").read_text()
+    assert name in readme and facts["sha256"] in readme and facts["commit"] in readme
+    assert main(["traces", "stats", str(path)]) == 0
+    line = capsys.readouterr().out
+    assert f"requests={facts['requests']} " in line and "reuse_upper_bound=0.374" in line
+    assert "share_first_block=1.000" in line
+
+
 @pytest.mark.parametrize("kind,n,params", [
     ("chat", 6, dict(system_len=40, user_len=20, reply_len=25, mean_turns=4)),
     ("agent", 4, dict(tool_prompt_len=70, task_len=15, mean_steps=5, branch_prob=0.5)),
@@ -295,7 +316,7 @@ def test_committed_traces_load_and_readme_lists_them():
 ])
 def test_spec_builders_share_the_public_defaults(kind, n, params):
     """Block ids from segments, with the public generator's defaults, equal to_trace of its tokens."""
-    public, build = {"chat": (wl.chat_sessions, generators._chat_specs),
+    public, build = {"chat": (wl.chat_sessions, generators.chat_specs),
                      "agent": (wl.agent_loops, generators._agent_specs),
                      "document": (wl.document_qa, generators._document_specs)}[kind]
     defaults = {name: p.default for name, p in inspect.signature(public).parameters.items()

@@ -3,7 +3,8 @@
 The three kinds are :data:`kimilab.config.CACHE_KINDS`:
 
 - ``"kv"``: global-attention layers store, per token, K and V for every KV head
-  (MHA/GQA) or one MLA latent plus its decoupled rope key (MLA). Grows with context.
+  (MHA/GQA) or one MLA latent plus its decoupled key part (MLA: ``qk_rope_head_dim``
+  dims; with Kimi Linear's ``mla_use_nope: true`` they are not rotated). Grows with context.
 - ``"kda_state"``: every KDA layer holds one H x K x V state matrix. Fixed size.
 - ``"conv_state"``: every KDA layer keeps the last (kernel - 1) inputs of its short
   convolution over q, k and v. Fixed size.
@@ -23,12 +24,12 @@ from kimilab.validate import check_int
 __all__ = [
     "kv_bytes_per_token_layer", "kv_bytes_per_token", "kda_state_bytes_per_layer",
     "kda_state_bytes", "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes",
-    "request_bytes", "request_total_bytes", "cache_anatomy", "CacheShapes",
+    "request_bytes", "request_total_bytes", "crossover_tokens", "cache_anatomy", "CacheShapes",
 ]
 
 
 def kv_bytes_per_token_layer(cfg: ModelConfig) -> int:
-    """Bytes one global layer stores per token (K+V, or MLA latent + rope key)."""
+    """Bytes one global layer stores per token (K+V, or MLA latent + decoupled key part)."""
     return check_config(cfg).kv_elems_per_token_layer * cfg.kv_bytes
 
 
@@ -70,6 +71,16 @@ def request_bytes(cfg: ModelConfig, context_len: int) -> dict[str, int]:
 
 def request_total_bytes(cfg: ModelConfig, context_len: int) -> int:
     return sum(request_bytes(cfg, context_len).values())
+
+
+def crossover_tokens(cfg: ModelConfig, baseline: ModelConfig) -> int | None:
+    """Smallest context at which one request of ``cfg`` holds fewer cache bytes than one of
+    ``baseline`` (None if it never does: ``cfg`` grows at least as fast per token)."""
+    fixed = checkpoint_bytes(cfg) - checkpoint_bytes(baseline)
+    saved_per_token = kv_bytes_per_token(baseline) - kv_bytes_per_token(cfg)
+    if saved_per_token <= 0:
+        return 0 if fixed < 0 and saved_per_token == 0 else None
+    return max(0, fixed // saved_per_token + 1)
 
 
 def cache_anatomy(cfg: ModelConfig) -> list[dict]:

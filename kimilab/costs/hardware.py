@@ -1,7 +1,9 @@
-"""The hardware and the weights a decode step must read: ASSUMED numbers, named so a reader can change them.
+"""The hardware and the weights a step must read: ASSUMED numbers, named so a reader can change them.
 
 An :class:`Accelerator` is one device (HBM capacity, HBM bandwidth, peak FLOP/s); a
-:class:`Deployment` is n of them serving one replica. A :class:`WeightModel` says how
+:class:`Deployment` is n of them serving one replica, with attention split by tensor
+parallelism (``"tp"``) or data-parallel attention (``"dp"``). A
+:class:`~kimilab.config.WeightModel` (carried by the config, ``cfg.weights``) says how
 many parameters a model has and how many a step over B tokens touches (mixture of
 experts: the union of the routed experts the batch picks). The hardware figures are
 vendor data-sheet numbers for an H800-class accelerator taken as assumptions; nothing
@@ -12,14 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimilab.config import ModelConfig
+from kimilab.config import WeightModel, ModelConfig, all_mla_27, gqa_8b, kimi_linear_48b
 from kimilab.costs._check import check_config
 from kimilab.validate import check_int
 
 __all__ = [
     "HBM_CAPACITY_BYTES", "HBM_BANDWIDTH_BYTES_PER_S", "PEAK_BF16_FLOPS_PER_S",
     "Accelerator", "H800_CLASS", "Deployment", "DEFAULT_DEPLOYMENT",
-    "WeightModel", "PUBLISHED_WEIGHTS", "estimate_params", "weight_model", "weight_bytes",
+    "WeightModel", "PUBLISHED_WEIGHTS", "estimate_params", "mixer_params", "weight_model", "weight_bytes",
     "weight_bytes_read",
 ]
 
@@ -45,16 +47,33 @@ H800_CLASS = Accelerator("H800-class (assumed)", HBM_CAPACITY_BYTES,
                          HBM_BANDWIDTH_BYTES_PER_S, PEAK_BF16_FLOPS_PER_S)
 
 
+_ATTENTION_MODES = ("tp", "dp")
+
+
 @dataclass(frozen=True)
 class Deployment:
-    """n identical devices serving one model replica, idealised: weights and caches spread
-    evenly, bandwidth and FLOP/s add up, no activation or workspace reserve."""
+    """n identical devices serving one model replica, and how attention is split over them.
+
+    ``attention="tp"`` (tensor parallelism, vLLM's and SGLang's default with ``--tp n``):
+    every layer is split by heads. KDA states and the conv state shard by head, GQA/MHA KV
+    by KV head, but MLA has ONE latent KV head, so its latent cache is replicated on
+    every rank. ``attention="dp"`` (DP-attention, vLLM/SGLang's data-parallel attention):
+    each rank runs attention for its own requests and holds their whole caches, the
+    attention and KDA weights are replicated, and the rest (experts, MLP, embeddings)
+    is spread over the ranks. Idealised either way: weights not replicated are spread
+    evenly, experts are read evenly, no activation or workspace reserve, no
+    communication time. With one device the two modes are the same.
+    """
 
     device: Accelerator = H800_CLASS
     n_devices: int = 1
+    attention: str = "tp"
 
     def __post_init__(self) -> None:
         check_int("Deployment.n_devices", self.n_devices, 1)
+        if self.attention not in _ATTENTION_MODES:
+            raise ValueError(f"Deployment.attention={self.attention!r}: expected one of {_ATTENTION_MODES} "
+                             "(tensor-parallel or data-parallel attention)")
 
     @property
     def hbm_bytes(self) -> float:
@@ -68,80 +87,28 @@ class Deployment:
     def peak_flops(self) -> float:
         return self.device.peak_flops * self.n_devices
 
+    def with_attention(self, attention: str) -> "Deployment":
+        """The same devices with attention split the other way (``"tp"`` or ``"dp"``)."""
+        return Deployment(self.device, self.n_devices, attention)
+
 
 # 48B of bf16 weights (96 GB) do not fit one 80 GB device, so the default is one
-# 8-device node (an assumption; any n works).
+# 8-device node with tensor-parallel attention (an assumption; any n and mode work).
 DEFAULT_DEPLOYMENT = Deployment(H800_CLASS, 8)
 
 
-@dataclass(frozen=True)
-class WeightModel:
-    """Parameter counts that decide how many weight bytes a decode step reads.
-
-    A mixture-of-experts model activates ``active_params`` per token; its routed experts
-    (``n_routed_experts``, ``routed_top_k`` per token) hold the rest. With B tokens in a
-    step, each routed expert is touched with probability 1 - (1 - k/E)^B (uniform routing,
-    an assumption), so the bytes read grow from the active count at B = 1 towards all
-    parameters at large B. Dense models (E = 0) read everything every step.
-    """
-
-    total_params: float
-    active_params: float
-    n_routed_experts: int = 0
-    routed_top_k: int = 0
-    bytes_per_param: int = 2
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.active_params <= self.total_params:
-            raise ValueError(f"WeightModel.active_params={self.active_params!r}: expected 0 < active <= total")
-        if self.n_routed_experts and not 0 < self.routed_top_k < self.n_routed_experts:
-            raise ValueError(f"WeightModel.routed_top_k={self.routed_top_k!r}: expected 0 < k < n_routed_experts")
-
-    @property
-    def routed_params(self) -> float:
-        """Parameters inside routed experts, from total = dense + R, active = dense + R k/E."""
-        if not self.n_routed_experts:
-            return 0.0
-        frac = self.routed_top_k / self.n_routed_experts
-        return (self.total_params - self.active_params) / (1.0 - frac)
-
-    @property
-    def dense_params(self) -> float:
-        return self.total_params - self.routed_params
-
-    def params_read(self, batch: int) -> float:
-        """Expected distinct parameters one decode step over ``batch`` tokens touches."""
-        batch = check_int("batch", batch, 1)
-        if not self.n_routed_experts:
-            return self.total_params
-        miss = (1.0 - self.routed_top_k / self.n_routed_experts) ** batch
-        return self.dense_params + self.routed_params * (1.0 - miss)
-
-
-_KIMI_WEIGHTS = WeightModel(
-    48e9, 3e9, n_routed_experts=256, routed_top_k=8, bytes_per_param=2,
-    source="Kimi-Linear-48B-A3B: ~48B total, ~3B activated (tech report); 8 of 256 routed "
-           "experts per token (public config, assumed); bf16",
-)
-# Published (or assumed) parameter counts by preset name. The all-MLA baseline differs only
-# in its attention layers, so it is given the same weights (assumption).
+# Kept for callers that looked weights up by preset name; the weight model now lives on
+# the config (``cfg.weights``), so a renamed copy keeps it. Not consulted by weight_model().
 PUBLISHED_WEIGHTS: dict[str, WeightModel] = {
-    "kimi_linear_48b": _KIMI_WEIGHTS,
-    "all_mla_27": WeightModel(48e9, 3e9, 256, 8, 2, source="assumed equal to kimi_linear_48b"),
-    "gqa_8b": WeightModel(8.03e9, 8.03e9, bytes_per_param=2, source="Llama-3-8B-like dense, bf16"),
+    "kimi_linear_48b": kimi_linear_48b.weights,
+    "all_mla_27": all_mla_27.weights,
+    "gqa_8b": gqa_8b.weights,
 }
 
 
-def estimate_params(cfg: ModelConfig) -> int:
-    """Dense parameter count estimated from shapes (embeddings, untied head, layers, SwiGLU MLP).
-
-    Used only for configs without a published count (e.g. ``tiny``); the runnable model's
-    exact count may differ by small terms (norm weights, biases).
-    """
-    check_config(cfg)
+def _mixer_layer_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(params of one KDA layer, params of one global-attention layer), from shapes."""
     d, H, K = cfg.d_model, cfg.n_heads, cfg.head_dim
-    total = 2 * cfg.vocab_size * d + d  # embedding, output head, final norm
     kda_layer = (3 * d * H * K + H * K * d  # q, k, v, o
                  + cfg.conv_channels * cfg.conv_kernel  # depthwise conv
                  + d * H  # beta
@@ -153,16 +120,46 @@ def estimate_params(cfg: ModelConfig) -> int:
         attn_layer = d * Ha * (Da + rope) + d * (r + rope) + r * Ha * 2 * Da + Ha * Da * d + r
     else:
         attn_layer = d * Ha * Da + 2 * d * Hkv * Da + Ha * Da * d
+    return kda_layer, attn_layer
+
+
+def mixer_params(cfg: ModelConfig) -> int:
+    """Parameters of the token mixers (every KDA and global-attention layer), from shapes.
+
+    These are what DP-attention replicates on every rank. An estimate (projections, conv,
+    gates, norms as :func:`estimate_params` counts them), also for the 48B shapes.
+    """
+    check_config(cfg)
+    kda_layer, attn_layer = _mixer_layer_params(cfg)
+    return int(len(cfg.kda_layers) * kda_layer + len(cfg.attn_layers) * attn_layer)
+
+
+def estimate_params(cfg: ModelConfig) -> int:
+    """Dense parameter count estimated from shapes (embeddings, untied head, layers, SwiGLU MLP).
+
+    Used only for runnable configs without a weight model (e.g. ``tiny``); the runnable
+    model's exact count may differ by small terms (norm weights, biases).
+    """
+    check_config(cfg)
+    d = cfg.d_model
+    total = 2 * cfg.vocab_size * d + d  # embedding, output head, final norm
     mlp = 3 * d * cfg.mlp_hidden + 2 * d  # SwiGLU + two norms
-    total += len(cfg.kda_layers) * kda_layer + len(cfg.attn_layers) * attn_layer + cfg.n_layers * mlp
-    return int(total)
+    return int(total + mixer_params(cfg) + cfg.n_layers * mlp)
 
 
 def weight_model(cfg: ModelConfig) -> WeightModel:
-    """Published counts for known presets (by name), else a dense estimate at the compute width."""
+    """The config's own weight model (``cfg.weights``), else a dense estimate for a runnable config.
+
+    A shapes-only config without one raises: its MLP (a mixture of experts at 48B) is not
+    in the shapes, so an estimate would silently miss most of the weights.
+    """
     check_config(cfg)
-    if cfg.name in PUBLISHED_WEIGHTS:
-        return PUBLISHED_WEIGHTS[cfg.name]
+    if cfg.weights is not None:
+        return cfg.weights
+    if cfg.shapes_only:
+        raise ValueError(
+            f"cfg={cfg.name!r} is shapes only and has no weight model: its MLP/experts are not in "
+            "the shapes; give it one, e.g. cfg.with_(weights=kimilab.config.WeightModel(total, active, ...))")
     n = float(estimate_params(cfg))
     return WeightModel(n, n, bytes_per_param=cfg.itemsize, source="estimated from shapes (dense)")
 
@@ -174,6 +171,6 @@ def weight_bytes(cfg: ModelConfig, weights: WeightModel | None = None) -> int:
 
 
 def weight_bytes_read(cfg: ModelConfig, batch: int = 1, weights: WeightModel | None = None) -> int:
-    """Weight bytes one decode step over ``batch`` requests reads (active experts' union)."""
+    """Weight bytes one step over ``batch`` tokens reads (active experts' union), whole replica."""
     w = weights or weight_model(cfg)
     return int(round(w.params_read(batch) * w.bytes_per_param))

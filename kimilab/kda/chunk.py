@@ -291,13 +291,33 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int 
     return o, S
 
 
-def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk: int = 64) -> int:
-    """FLOPs of the chunkwise algorithm as written in ``chunk_kda``'s docstring.
+def _solve_flops(n: int, m: int, block: int = _SOLVE_BLOCK) -> int:
+    """FLOPs of ``_unit_lower_solve`` for one [n, n] system with m right-hand sides.
 
-    Counts the dense products per chunk of length c (the last may be short):
-    Akk and Aqk 2 * 2c^2K, the unit-triangular inverse c^3/3 * 2, W and U 2c^2(K+V),
-    V' = U - WS 2cKV + cV, O 2cKV + 2c^2V + cV, the state update 2cKV + 2KV,
-    plus the gate factors (~6cK). Masked-out work is not counted.
+    Block forward substitution, as the code runs it: the small diagonal blocks inverted
+    row by row, then per block row one product with the rows already solved, a
+    subtraction, and one product with the block's inverse. n is padded to whole blocks.
+    """
+    b = max(1, min(block, n))
+    nb = -(-n // b)
+    inverses = nb * ((b - 1) * b * (2 * b - 1) // 3)  # sum over rows i < b of a [1, i] x [i, i] product
+    off_diagonal = b * b * m * nb * (nb - 1) + (nb - 1) * b * m  # L[row, :row] X[:row], then R - that
+    diagonal = nb * 2 * b * b * m  # D_b^-1 (R_b - ...)
+    return inverses + off_diagonal + diagonal
+
+
+def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk: int = 64) -> int:
+    """FLOPs of ``chunk_kda`` (multiply-add = 2), counted from the products it runs.
+
+    Per chunk of length c (the last may be short; the kernel pads it to ``chunk``, and
+    the padding is not counted) and head: the gate factors and beta-scaled inputs
+    ~6cK + cV; Akk and Aqk as two full [c, K] x [K, c] products 2 * 2c^2K; the UT
+    transform as block forward substitution on [beta exp(G) K | beta V] (c rows, K + V
+    columns, ``_solve_flops``: about c^2 (K + V) multiply-adds, no inverse is formed);
+    V' = U - W S 2cKV + cV; the output [exp(G) Q | Aqk] [S; V'] 2c(K + c)V; the state
+    update 2cKV + 2KV. The Akk/Aqk count is for whole-chunk blocks (strong gates split
+    a chunk into smaller blocks, which does less work). Masked-out work is counted
+    where the code computes it (the full c x c products).
     """
     T, H, K, V, chunk = (int(x) for x in (T, H, K, V, chunk))
     total = 0
@@ -306,17 +326,12 @@ def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk: int = 64) -> int:
         if count == 0:
             continue
         per = (
-            4 * c * c * K
-            + (2 * c**3) // 3
-            + 2 * c * c * (K + V)
-            + 2 * c * K * V
-            + c * V
-            + 2 * c * K * V
-            + 2 * c * c * V
-            + c * V
-            + 2 * c * K * V
-            + 2 * K * V
-            + 6 * c * K
+            6 * c * K + c * V  # gate factors, beta-scaled k and v
+            + 2 * (2 * c * c * K)  # Akk, Aqk
+            + _solve_flops(c, K + V)  # [W | U] by block forward substitution
+            + 2 * c * K * V + c * V  # V' = U - W S
+            + 2 * c * (K + c) * V  # O = [exp(G) Q | Aqk] [S; V']
+            + 2 * c * K * V + 2 * K * V  # S <- diag(exp(G_C)) S + (exp(G_C - G) K)^T V'
         )
         total += count * per
     return total * H

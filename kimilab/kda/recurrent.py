@@ -10,7 +10,7 @@ a delta-rule correction with strength ``beta_t``; the output reads the updated s
 
 :func:`recurrent_kda` is the slow, obvious form every other kernel is tested against;
 :func:`kda_step` is the same update for one decode token. Both share
-:func:`_recurrent_update`, so prefill-by-loop and decode cannot drift apart.
+:func:`kda_update`, so prefill-by-loop and decode cannot drift apart.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ import numpy as np
 
 from kimilab.kda._inputs import check_sequence, check_step, resolve_scale
 
-__all__ = ["recurrent_kda", "kda_step", "recurrent_kda_flops", "state_bytes"]
+__all__ = ["kda_update", "recurrent_kda", "kda_step", "recurrent_kda_flops", "state_bytes"]
 
 
-def _recurrent_update(S, q_t, k_t, v_t, decay_t, beta_t, scale):
-    """One token, in place on S [B, H, K, V]; returns o [B, H, V]. Shared by loop and step."""
+def kda_update(S, q_t, k_t, v_t, decay_t, beta_t, scale):
+    """One token, in place on S [B, H, K, V] (decay_t = exp(g_t)); returns o [B, H, V].
+
+    Shared by the sequence loop and the decode step; no argument checks (they are theirs).
+    """
     S *= decay_t[..., :, None]
     kS = np.matmul(k_t[..., None, :], S)[..., 0, :]  # S^T k   [B, H, V]
     S += (beta_t[..., None] * k_t)[..., :, None] * (v_t - kS)[..., None, :]
@@ -41,7 +44,7 @@ def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None):
     decay = np.exp(g)
     o = np.empty((B, T, H, V), dtype)
     for t in range(T):
-        o[:, t] = _recurrent_update(S, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], scale)
+        o[:, t] = kda_update(S, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], scale)
     if not batched:
         return o[0], S[0]
     return o, S
@@ -54,7 +57,7 @@ def kda_step(q, k, v, g, beta, state, scale=None):
     (q, k, v, g, beta, state), batched = check_step(q, k, v, g, beta, state)
     scale = resolve_scale(scale, q.shape[-1])
     S = state.astype(q.dtype, copy=True)
-    o = _recurrent_update(S, q, k, v, np.exp(g), beta, scale)
+    o = kda_update(S, q, k, v, np.exp(g), beta, scale)
     if not batched:
         return o[0], S[0]
     return o, S

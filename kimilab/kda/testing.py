@@ -14,7 +14,11 @@ import numpy as np
 from kimilab.kda.gate import beta_from_logits, kda_gate, l2_normalize, sigmoid
 from kimilab.validate import check_choice, check_int
 
-__all__ = ["GATES", "random_inputs"]
+__all__ = ["GATES", "PROPERTY_EXAMPLES", "random_inputs"]
+
+# Random shapes hypothesis draws for the main property of tests/test_kda.py
+# (chunked == recurrent in float64); chapter 2 prints it.
+PROPERTY_EXAMPLES = 120
 
 GATES = {
     "kimi-init": "softplus gate at Kimi's init: exp(A_log) ~ U[1, 16] per head, softplus(dt_bias) "

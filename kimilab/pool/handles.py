@@ -82,11 +82,20 @@ class RefcountError(HandleError):
 class _Block:
     """The shared part of an allocation: its pages, kind, bytes and reference count."""
 
-    __slots__ = ("block_id", "kind", "pages", "nbytes", "refcount")
+    __slots__ = ("block_id", "kind", "page_list", "nbytes", "refcount", "_array")
 
-    def __init__(self, block_id: int, kind: str, pages: np.ndarray, nbytes: int):
-        self.block_id, self.kind, self.pages, self.nbytes = block_id, kind, pages, nbytes
+    def __init__(self, block_id: int, kind: str, page_list: list, nbytes: int):
+        self.block_id, self.kind, self.page_list, self.nbytes = block_id, kind, page_list, nbytes
         self.refcount = 1
+        self._array = None
+
+    @property
+    def pages(self) -> np.ndarray:
+        """The page indices as a read-only int64 array (made on first use: accounting never needs it)."""
+        if self._array is None:
+            self._array = np.array(self.page_list, dtype=np.int64)
+            self._array.flags.writeable = False
+        return self._array
 
 
 class Allocation:
@@ -113,7 +122,7 @@ class Allocation:
 
     @property
     def n_pages(self) -> int:
-        return int(self._block.pages.shape[0])
+        return len(self._block.page_list)
 
     @property
     def nbytes(self) -> int:

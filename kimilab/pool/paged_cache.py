@@ -78,7 +78,7 @@ class PagedHybridCache(CacheProtocol):
         need = len(config.kda_layers) * (pool.pages_for_bytes(self._state_nbytes) +
                                          pool.pages_for_bytes(self._conv_nbytes))
         if not pool.ensure_free(need):
-            raise PoolExhausted.of(pool, "kda_state", need)
+            raise PoolExhausted.of(pool, "kda_state+conv_state", need)
         self._kda = {i: pool.allocate_bytes("kda_state", self._state_nbytes, zero=True, owner=owner)
                      for i in config.kda_layers}
         self._conv = {i: pool.allocate_bytes("conv_state", self._conv_nbytes, zero=True, owner=owner)

@@ -67,10 +67,11 @@ class PagePool:
         self._arena = np.zeros(self.n_pages * self.page_bytes, dtype=np.uint8) if backed else None
         # Free pages = a stack of recycled pages (top at the end) + the never-used
         # pages [bump, n_pages). Recycled pages go out first.
-        self._stack = np.zeros(min(self.n_pages, 1024), dtype=np.int64)
-        self._top = 0
+        # Plain Python lists: allocating a page or two must cost a few list operations,
+        # not a dozen numpy calls (a trace replay allocates and frees ~10^5 times).
+        self._stack: list[int] = []
         self._bump = 0
-        self._page_kind = np.full(self._stack.shape[0], FREE_CODE, dtype=np.int8)
+        self._page_kind = bytearray()  # kind code + 1 of pages [0, bump) (0 = free)
         self._blocks: dict[int, _Block] = {}
         self._block_ids = itertools.count()
         self._handle_ids = itertools.count()
@@ -85,11 +86,11 @@ class PagePool:
     # ----- allocation --------------------------------------------------------
     @property
     def n_free(self) -> int:
-        return self._top + self.n_pages - self._bump
+        return len(self._stack) + self.n_pages - self._bump
 
     @property
     def n_used(self) -> int:
-        return self._bump - self._top
+        return self._bump - len(self._stack)
 
     def pages_for_bytes(self, nbytes: int) -> int:
         """Pages needed to hold ``nbytes`` (at least one)."""
@@ -107,18 +108,6 @@ class PagePool:
     def exhausted(self, kind: str, n_pages: int, what: str = "") -> PoolExhausted:
         """The error this pool raises when ``n_pages`` pages of ``kind`` do not fit."""
         return PoolExhausted.of(self, kind, n_pages, what)
-
-    def _grow(self, n: int) -> None:
-        """Make the bookkeeping arrays cover pages [0, n) (doubling, capped at n_pages)."""
-        size = self._stack.shape[0]
-        if n <= size:
-            return
-        size = min(self.n_pages, max(n, 2 * size))
-        stack = np.zeros(size, dtype=np.int64)
-        stack[:self._top] = self._stack[:self._top]
-        kinds = np.full(size, FREE_CODE, dtype=np.int8)
-        kinds[:self._page_kind.shape[0]] = self._page_kind
-        self._stack, self._page_kind = stack, kinds
 
     def ensure_free(self, n_pages: int) -> bool:
         """Are ``n_pages`` pages free, after asking :attr:`reclaim` (if set) to free some?"""
@@ -144,19 +133,22 @@ class PagePool:
                              f"({capacity} B at page_bytes={self.page_bytes})")
         if not self.ensure_free(n):
             raise PoolExhausted.of(self, kind, n)
-        recycled = min(n, self._top)
-        top = self._top - recycled
+        stack = self._stack
+        recycled = min(n, len(stack))
+        if recycled:
+            pages = stack[-recycled:]
+            del stack[-recycled:]
+            pages.reverse()
+        else:
+            pages = []
         fresh = n - recycled
         if fresh:
-            self._grow(self._bump + fresh)
-            pages = np.concatenate([self._stack[top:self._top][::-1],
-                                    np.arange(self._bump, self._bump + fresh, dtype=np.int64)])
+            pages.extend(range(self._bump, self._bump + fresh))
             self._bump += fresh
-        else:
-            pages = self._stack[top:self._top][::-1].copy()
-        pages.flags.writeable = False
-        self._top = top
-        self._page_kind[pages] = code
+            self._page_kind.extend(bytes(fresh))
+        kinds, mark = self._page_kind, code + 1
+        for p in pages:
+            kinds[p] = mark
         block = _Block(next(self._block_ids), kind, pages, nbytes)
         self._blocks[block.block_id] = block
         self._pages_by_kind[kind] += n
@@ -164,7 +156,7 @@ class PagePool:
         self._high_water = max(self._high_water, self.n_used)
         self._n_handles += 1
         if zero and self.backed:
-            self._pages2d()[pages] = 0
+            self._pages2d()[block.pages] = 0
         return Allocation(block, self._uid, next(self._handle_ids), owner)
 
     def allocate_bytes(self, kind: str, nbytes: int, *, zero: bool = False, owner=None) -> Allocation:
@@ -202,16 +194,19 @@ class PagePool:
         self._n_handles -= 1
         if block.refcount:
             return
-        pages = block.pages
-        n = pages.shape[0]
-        self._stack[self._top:self._top + n] = pages[::-1]
-        self._top += n
-        self._page_kind[pages] = FREE_CODE
+        pages = block.page_list
+        self._stack.extend(reversed(pages))
+        kinds = self._page_kind
+        for p in pages:
+            kinds[p] = 0
+        n = len(pages)
         self._pages_by_kind[block.kind] -= n
         self._requested_by_kind[block.kind] -= block.nbytes
         del self._blocks[block.block_id]
-        if self._top == self._bump:  # everything is free again: back to the fresh layout, O(1)
-            self._top = self._bump = 0
+        if len(self._stack) == self._bump:  # everything is free again: back to the fresh layout, O(1)
+            self._stack.clear()
+            self._bump = 0
+            del self._page_kind[:]
 
     # ----- bytes -------------------------------------------------------------
     def _pages2d(self) -> np.ndarray:
@@ -259,12 +254,12 @@ class PagePool:
     def page_map(self) -> np.ndarray:
         """Kind code of every page (see KIND_CODES; -1 = free), a copy."""
         out = np.full(self.n_pages, FREE_CODE, dtype=np.int8)
-        out[:self._page_kind.shape[0]] = self._page_kind
+        out[:len(self._page_kind)] = np.frombuffer(bytes(self._page_kind), dtype=np.uint8).astype(np.int8) - 1
         return out
 
     def free_pages(self) -> np.ndarray:
         """Free pages, next-to-be-allocated first (a copy)."""
-        return np.concatenate([self._stack[:self._top][::-1],
+        return np.concatenate([np.array(self._stack[::-1], dtype=np.int64),
                                np.arange(self._bump, self.n_pages, dtype=np.int64)])
 
     def reset_high_water(self) -> None:
@@ -286,7 +281,7 @@ class PagePool:
             assert self._pages_by_kind[kind] == sum(b.pages.shape[0] for b in blocks), kind
             assert self._requested_by_kind[kind] == sum(b.nbytes for b in blocks), kind
             for b in blocks:
-                assert np.all(self._page_kind[b.pages] == KIND_CODES[kind]), kind
+                assert np.all(self.page_map()[b.pages] == KIND_CODES[kind]), kind
         assert all(b.refcount >= 1 for b in self._blocks.values()), "a live block has refcount < 1"
         assert self._n_handles == sum(b.refcount for b in self._blocks.values()), "handle count"
         assert self.n_used <= self._high_water <= self.n_pages, "high-water mark"

@@ -9,13 +9,13 @@
 
 from kimilab.prefix.blocks import block_token_counts, split_prompt
 from kimilab.prefix.hybrid import Checkpoint, HybridPrefixCache, Outcome
-from kimilab.prefix.policies import (POLICIES, Align, Dual, EveryBlock, KVOnly, Placement, Policy, check_interval,
-                                     make_policy)
+from kimilab.prefix.policies import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, KVOnly, Placement, Policy,
+                                     check_interval, make_policy)
 from kimilab.prefix.radix import Match, Node, RadixTree
 from kimilab.prefix.tensors import ModelPrefixCache
 
 __all__ = [
     "block_token_counts", "split_prompt", "Match", "Node", "RadixTree", "Placement", "Policy", "KVOnly",
-    "EveryBlock", "Align", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
+    "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
     "HybridPrefixCache", "ModelPrefixCache",
 ]

@@ -26,6 +26,18 @@ from kimilab.prefix.radix import Node, RadixTree
 __all__ = ["Checkpoint", "Outcome", "HybridPrefixCache"]
 
 
+_COSTS: dict = {}
+
+
+def _shared_costs(config: ModelConfig) -> CacheCosts:
+    """One CacheCosts per config for every budgeted cache, so its FLOP memo outlives one replay
+    (a sweep replays the same prompt lengths at every capacity and policy)."""
+    costs = _COSTS.get(config)
+    if costs is None:
+        costs = _COSTS[config] = CacheCosts.of(config)
+    return costs
+
+
 class Checkpoint:
     """A cached state at the end of a tree node: its pages and its rank for eviction.
 
@@ -115,7 +127,7 @@ class HybridPrefixCache:
                     f"(block_size={block_size})"
                 )
             n_pages = min(capacity_tokens // block_size, UNBOUNDED_PAGES)
-        costs = CacheCosts.of(config)
+        costs = _shared_costs(config)
         pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token,
                         backed=False, name=f"prefix-{policy.name}")
         cache = cls(pool, block_size, policy, costs, partial_blocks=partial_blocks)
@@ -156,11 +168,14 @@ class HybridPrefixCache:
         return True
 
     def _peek_checkpoint(self) -> Node | None:
-        heap = self._heap
+        heap, protect = self._heap, self.policy.protect_branch_points
         while heap:
             entry = heap[0]
-            if self._valid(entry):
-                return entry[2]
+            _, serial, node = entry  # _valid(), inlined
+            ck = node.payload
+            if (node.alive and ck is not None and ck.serial == serial and not node.refcount
+                    and not (protect and len(node.children) != 1)):
+                return node
             heapq.heappop(heap)
             self._forget(entry)  # re-queued when it is evictable again
         return None
@@ -180,14 +195,17 @@ class HybridPrefixCache:
             self._push_checkpoint(parent)  # it may have become evictable (one child left)
 
     def _reclaim(self, n_pages: int) -> bool:
-        tree = self.tree
-        while tree.n_available < n_pages:
-            leaf = tree.peek_evictable()
-            ck_node = self._peek_checkpoint()
-            if leaf is None and ck_node is None:
-                return False
-            if ck_node is None or (leaf is not None and leaf.priority <= ck_node.payload.priority):
-                tree.evict_node(leaf)
+        tree, pool = self.tree, self.pool
+        peek_leaf, peek_checkpoint, evict = tree.peek_evictable, self._peek_checkpoint, tree._evict
+        while pool.n_free + tree._spare_pages < n_pages:
+            leaf = peek_leaf()
+            ck_node = peek_checkpoint()
+            if ck_node is None:
+                if leaf is None:
+                    return False
+                evict(leaf)
+            elif leaf is not None and leaf.priority <= ck_node.payload.priority:
+                evict(leaf)
             else:
                 self._drop_checkpoint(ck_node)
                 tree.requeue(ck_node)  # its rank as a leaf no longer includes the checkpoint
@@ -254,8 +272,11 @@ class HybridPrefixCache:
     def finish(self, path) -> None:
         """Unpin a request's path; its checkpoints become evictable again."""
         self.tree.unpin(path)
+        if self.policy.free_states:
+            return
         for node in path:
-            if node.payload is not None and node.refcount == 0 and node.payload.serial == -1:
+            ck = node.payload
+            if ck is not None and ck.serial == -1 and node.refcount == 0:
                 self._push_checkpoint(node)
 
     def serve(self, keys=None, n_tokens=None, *, tokens=None) -> Outcome:

@@ -8,9 +8,18 @@ how to rank evictable things (lower goes first).
 * ``kv-only``     a pure-attention model: states are free, usable hit = KV hit;
 * ``every-block`` a state at every block boundary (vLLM ``all``);
 * ``align``       states at prefill-chunk ends and request ends (vLLM ``align``);
+* ``ends``        a state at each request's end only, plain LRU: the simplest
+                  thing that works, and the baseline the others are measured over;
+* ``ends+branch`` ``ends`` plus branch points discovered as traffic arrives (kept
+                  while they branch), still plain LRU: ``dual`` without ``alpha``;
 * ``dual``        states at request ends and at branch points discovered as
                   traffic arrives, evicted by recency + FLOPs saved per byte
                   (Marconi); optional coarse checkpoints every ``interval`` tokens.
+
+``dual`` = ``ends`` + branch points + FLOP-aware eviction (``alpha``), each a
+subclass of the one before: ``ends+branch`` - ``ends`` measures what branch
+points add, ``dual`` - ``ends+branch`` what ``alpha`` adds (``dual`` with
+``alpha=0`` *is* ``ends+branch``).
 """
 
 from __future__ import annotations
@@ -24,8 +33,8 @@ from kimilab.validate import check_float, check_int
 if TYPE_CHECKING:
     from kimilab.prefix.hybrid import HybridPrefixCache
 
-__all__ = ["Placement", "Policy", "KVOnly", "EveryBlock", "Align", "Dual", "POLICIES", "make_policy",
-           "check_interval"]
+__all__ = ["Placement", "Policy", "KVOnly", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES",
+           "make_policy", "check_interval"]
 
 
 @dataclass(frozen=True)
@@ -126,28 +135,85 @@ class Align(Policy):
         return f"{self.name}(interval={self.interval})"
 
 
-class Dual(Policy):
+def _request_end(p: Placement) -> list[int]:
+    """The last whole block the prompt left in the tree, if the prefill computes it."""
+    last = len(p.path) - 1
+    return [last] if last >= 0 and p.path[last].end > p.usable_end else []
+
+
+def _branch_point(p: Placement) -> list[int]:
+    """The deepest KV-cached node where the prompt leaves a cached path (see :class:`Dual`)."""
+    j = p.n_matched - 1
+    if 0 <= j < len(p.path) - 1 and p.path[j].end > p.usable_end and len(p.path[j].children) >= 2:
+        return [j]
+    return []
+
+
+class Ends(Policy):
+    """A state at each request's end only (the last whole block its prompt leaves in the tree),
+    plain LRU eviction of KV leaves and states alike: the simplest thing that works.
+
+    A later request reuses a prefix only up to an earlier request's end, which is
+    exactly what multi-turn traffic re-sends (the previous turn plus its reply).
+    Recency is stamped on the cache's own clock, turnovers (pages admitted / pool
+    pages), as ``dual`` stamps it: consecutive requests that admit no page share a
+    stamp, and such ties go in queueing order. So ``ends``, ``ends+branch`` and
+    ``dual`` differ only in what each adds, never in how time is counted.
+    """
+
+    name = "ends"
+
+    def positions(self, p: Placement) -> list[int]:
+        return _request_end(p)
+
+    def now(self, cache) -> float:
+        return cache.turnover
+
+
+class EndsBranch(Ends):
+    """``ends`` plus branch points (:class:`Dual`'s discovery), plain LRU: exactly ``Dual(alpha=0)``.
+
+    As in ``dual``, a state on a node with two or more children (a live branch
+    point) is never evicted on its own.
+    """
+
+    name = "ends+branch"
+    protect_branch_points = True
+
+    def positions(self, p: Placement) -> list[int]:
+        return sorted(set(_request_end(p) + _branch_point(p)))
+
+
+class Dual(EndsBranch):
     """Marconi-style: states at request ends and at branch points found as traffic arrives.
 
     A branch point is the deepest KV-cached node of a prompt where it leaves a
     cached path: the node already had a child, so with this prompt it has two
     (its KV was hit, its state did not exist, and the prefill passes through it
-    anyway). A prompt that merely extends a cached leaf creates no branch. ``interval`` adds coarse checkpoints at absolute
-    multiples of that many tokens (None: none).
+    anyway). A prompt that merely extends a cached leaf creates no branch.
+    ``interval`` adds coarse checkpoints at absolute multiples of that many tokens
+    (None: none). Without it, ``dual`` is ``ends+branch`` plus ``alpha``.
 
     Eviction ranks a unit (a leaf with its checkpoint, or a checkpoint alone) by
     ``recency + alpha * value``. Recency is the cache's own clock at last use,
     counted in *turnovers* (pages admitted so far / pool pages), so the rank means
     the same at any traffic rate and memory size; value is the FLOPs the checkpoint
     saves per byte it holds (prefill FLOPs of its prefix, per checkpoint), in units
-    of a one-block checkpoint's. ``alpha`` = turnovers of age one unit of value is
-    worth (0: plain LRU); the default was tuned coarsely on the book's traces, as
-    Marconi tunes its weight per workload. As in Marconi, a checkpoint on a node
-    with two or more children (a live branch point) is never evicted on its own.
+    of a one-block checkpoint's. A KV leaf without a checkpoint is ranked by
+    recency alone.
+
+    ``alpha`` (>= 0, default 0.005) is how many turnovers of age one unit of value
+    is worth: a checkpoint whose prefix costs ``v`` times a one-block prefill to
+    recompute outlives an equally recent one-block checkpoint by ``alpha * (v - 1)``
+    turnovers. ``alpha=0`` is plain LRU over the same admitted states, exactly
+    ``ends+branch`` (a test holds them equal); a large ``alpha`` keeps long
+    prefixes almost regardless of age. The default was tuned coarsely on the book's
+    generated traces, as Marconi tunes its weight per workload. As in Marconi, a
+    checkpoint on a node with two or more children (a live branch point) is never
+    evicted on its own.
     """
 
     name = "dual"
-    protect_branch_points = True
 
     def __init__(self, interval: int | None = None, alpha: float = 0.005):
         check_float("Dual.alpha", alpha, minimum=0.0)
@@ -156,13 +222,8 @@ class Dual(Policy):
         self._value_cache: dict[int, float] = {}
 
     def positions(self, p: Placement) -> list[int]:
-        out = set()
-        last = len(p.path) - 1
-        if last >= 0 and p.path[last].end > p.usable_end:
-            out.add(last)  # request end
-        j = p.n_matched - 1
-        if 0 <= j < last and p.path[j].end > p.usable_end and len(p.path[j].children) >= 2:
-            out.add(j)  # branch point: the prompt leaves a cached path here (not just extends it)
+        # request end; branch point: the prompt leaves a cached path there (not just extends it)
+        out = set(_request_end(p) + _branch_point(p))
         if self.interval:
             for i, node in enumerate(p.path):
                 if node.end > p.usable_end and node.end % self.interval == 0:
@@ -177,9 +238,6 @@ class Dual(Policy):
                                           / cache.costs.prefill_flops(cache.block_size))
         return v
 
-    def now(self, cache) -> float:
-        return cache.turnover
-
     def kv_priority(self, cache, node) -> float:
         if node.payload is None:
             return node.last_access
@@ -192,13 +250,19 @@ class Dual(Policy):
         return f"{self.name}(interval={self.interval}, alpha={self.alpha:g})"
 
 
-POLICIES = {"kv-only": KVOnly, "every-block": EveryBlock, "align": Align, "dual": Dual}
+POLICIES = {"kv-only": KVOnly, "every-block": EveryBlock, "align": Align, "ends": Ends,
+            "ends+branch": EndsBranch, "dual": Dual}
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    """A fresh policy object by name (``interval=`` for align/dual, ``alpha=`` for dual)."""
+    """A fresh policy object by name (``interval=`` for align/dual, ``alpha=`` for dual, e.g.
+    ``make_policy("dual", alpha=0.0)``)."""
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
-    return POLICIES[name](**kwargs)
+    try:
+        return POLICIES[name](**kwargs)
+    except TypeError:
+        raise ValueError(f"policy={name!r}: unexpected options {sorted(kwargs)} "
+                         f"(interval= for align/dual, alpha= for dual)") from None
 
 

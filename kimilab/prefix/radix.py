@@ -31,23 +31,8 @@ __all__ = ["Node", "Match", "RadixTree"]
 class Node:
     """One cached block. ``end`` = prefix length (tokens) up to and including it."""
 
-    __slots__ = (
-        "key",
-        "parent",
-        "children",
-        "n_tokens",
-        "end",
-        "alloc",
-        "refcount",
-        "last_access",
-        "priority",
-        "heap_serial",
-        "tokens",
-        "alive",
-        "payload",
-        "block_data",
-        "node_id",
-    )
+    __slots__ = ("key", "parent", "children", "n_tokens", "end", "alloc", "refcount", "last_access", "priority",
+                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id")
 
     def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
         self.key = key
@@ -136,7 +121,8 @@ class RadixTree:
         self.n_nodes = 0
         self.n_evicted = 0
         self._collecting = False
-        self._spares: dict = {}
+        self._spares: dict = {}  # (kind, n_pages, nbytes) -> allocations parked while reclaiming
+        self._spares_kv: list = []  # parked one-page KV allocations (the common case, kept apart)
         self._spare_pages = 0
         self._own_key = ("kv", 1, pool.page_bytes)
 
@@ -148,9 +134,10 @@ class RadixTree:
     def match(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
         """Longest cached prefix of a prompt. No side effects (no touch, no pin)."""
         keys, counts, blocks = self._split(keys, n_tokens, tokens)
-        return self._match(keys, counts, blocks)
+        return self.match_blocks(keys, counts, blocks)
 
-    def _match(self, keys, counts, blocks) -> Match:
+    def match_blocks(self, keys, counts, blocks=None) -> Match:
+        """Longest cached prefix of a prompt already cut into block keys (see prefix.blocks)."""
         node = self.root
         path = []
         j = 0
@@ -218,10 +205,11 @@ class RadixTree:
     def unpin(self, nodes: Iterable[Node]) -> None:
         """Drop one reference from each node; unreferenced leaves become evictable."""
         for node in nodes:
-            if node.refcount <= 0:
+            refcount = node.refcount - 1
+            if refcount < 0:
                 raise ValueError(f"unpin: {node!r} is not pinned")
-            node.refcount -= 1
-            if node.refcount == 0 and not node.children:
+            node.refcount = refcount
+            if refcount == 0 and not node.children:
                 self._push_leaf(node)
 
     def _push_leaf(self, node: Node) -> None:
@@ -245,8 +233,9 @@ class RadixTree:
         """The next leaf eviction would take, or None if every leaf is pinned."""
         heap = self._leaf_heap
         while heap:
-            if self._valid(heap[0]):
-                return heap[0][2]
+            _, serial, node = heap[0]  # _valid(), inlined
+            if node.alive and node.heap_serial == serial and node.refcount == 0 and not node.children:
+                return node
             heapq.heappop(heap)
         return None
 
@@ -260,36 +249,41 @@ class RadixTree:
         owns one reference on every node of ``path`` and must :meth:`unpin` it.
         """
         keys, counts, blocks = self._split(keys, n_tokens, tokens)
-        m = self._match(keys, counts, blocks)
-        path = list(m.nodes)
-        self.pin(path)
+        m = self.match_blocks(keys, counts, blocks)
+        path = m.nodes.copy()
+        # Pin and stamp in one pass (what pin() then touch() do): nothing reads a pinned
+        # node's stamp while the blocks below are allocated, and the clock stands still.
+        now = self.now()
+        for node in path:
+            node.refcount += 1
+            node.last_access = now
         node = path[-1] if path else self.root
         first = len(path)
-        if first < len(keys) and keys[first] in node.children:
-            # same key but a different token count: a malformed trace
-            raise ValueError(
-                f"keys[{first}]={keys[first]!r}: already cached with "
-                f"{node.children[keys[first]].n_tokens} tokens, now {counts[first]}"
-            )
-        allocs = self._node_allocs(len(keys) - first)
-        complete = len(allocs) == len(keys) - first
-        for j, alloc in zip(range(first, len(keys)), allocs):
-            child = self._add_child(node, keys[j], counts[j], alloc, blocks[j] if blocks is not None else None)
-            child.refcount = 1
-            path.append(child)
-            node = child
-        self.touch(path)
+        complete = True
+        if first < len(keys):
+            children = node.children
+            if keys[first] in children:  # same key but a different token count: a malformed trace
+                raise ValueError(f"keys[{first}]={keys[first]!r}: already cached with "
+                                 f"{children[keys[first]].n_tokens} tokens, now {counts[first]}")
+            allocs = self._node_allocs(len(keys) - first)
+            complete = len(allocs) == len(keys) - first
+            next_id, end = self._next_id, node.end
+            for j, alloc in zip(range(first, len(keys)), allocs):
+                n = counts[j]
+                end += n
+                child = Node(keys[j], node, n, end, alloc, next_id,
+                             None if blocks is None else np.array(blocks[j]))
+                child.refcount = 1
+                child.last_access = now
+                node.children[keys[j]] = child
+                path.append(child)
+                node = child
+                next_id += 1
+            self.n_nodes += next_id - self._next_id
+            self._next_id = next_id
         if not pin:
             self.unpin(path)
         return m, path, complete
-
-    def _add_child(self, parent: Node, key, n_tokens: int, alloc, tokens) -> Node:
-        child = Node(key, parent, n_tokens, parent.end + n_tokens, alloc, self._next_id,
-                     None if tokens is None else np.array(tokens))
-        self._next_id += 1
-        parent.children[key] = child
-        self.n_nodes += 1
-        return child
 
     def _node_allocs(self, count: int) -> list:
         """KV allocations for ``count`` new nodes (tuples when a node holds several), fewer if full."""
@@ -327,6 +321,9 @@ class RadixTree:
         finally:
             self._collecting = False
         spares = self._spares
+        if self._spares_kv:  # KV leaves parked by _evict (one page each)
+            spares.setdefault(self._own_key, []).extend(self._spares_kv)
+            self._spares_kv.clear()
         parked = spares.pop((kind, n_pages, n_pages * pool.page_bytes if nbytes is None else nbytes), [])
         for others in spares.values():
             for a in others:
@@ -363,19 +360,27 @@ class RadixTree:
         """Remove one unpinned leaf; returns the pages it freed (its own)."""
         if node.children or node.refcount or not node.alive or node is self.root:
             raise ValueError(f"evict_node: {node!r} is not an unpinned leaf")
+        self._evict(node)
+        return self.allocs_per_node
+
+    def _evict(self, node: Node) -> None:
+        """evict_node without the checks, for a leaf the eviction queue just vouched for."""
         if self.on_evict is not None:
             self.on_evict(node)
         parent = node.parent
         del parent.children[node.key]
         node.alive = False
-        for alloc in (node.alloc if self.allocs_per_node > 1 else (node.alloc,)):
-            self.release(alloc, self._own_key)
+        if self._collecting and self.allocs_per_node == 1:  # release(), inlined: the hot path
+            self._spares_kv.append(node.alloc)
+            self._spare_pages += 1
+        else:
+            for alloc in (node.alloc if self.allocs_per_node > 1 else (node.alloc,)):
+                self.release(alloc, self._own_key)
         node.alloc = None
         self.n_nodes -= 1
         self.n_evicted += 1
-        if parent is not self.root and parent.refcount == 0 and not parent.children:
+        if parent.refcount == 0 and not parent.children and parent is not self.root:
             self._push_leaf(parent)
-        return self.allocs_per_node
 
     def evict(self, n_pages: int) -> bool:
         """Evict unpinned leaves, lowest priority (oldest) first, until ``n_pages`` are free."""
@@ -384,7 +389,7 @@ class RadixTree:
             node = self.peek_evictable()
             if node is None:
                 return False
-            self.evict_node(node)
+            self._evict(node)
         return True
 
     def evict_all(self) -> int:

@@ -6,10 +6,11 @@ Modules, in the order data flows:
 * :mod:`~kimilab.traffic.segments`   — prompts as (uid, length) segments; tokens or block ids from them
 * :mod:`~kimilab.traffic.generators` — chat, agent, document, Mooncake-like and mixed workloads
 * :mod:`~kimilab.traffic.trace`      — Mooncake jsonl export / load / validation, trace statistics
-* :mod:`~kimilab.traffic.datasets`   — the traces in ``data/`` and :func:`regenerate`
+* :mod:`~kimilab.traffic.datasets`   — the traces in ``data/``: the real one (``REAL_TRACES``), the
+  generated ones (``DATASETS``) and :func:`regenerate`
 """
 
-from kimilab.traffic.datasets import DATASETS, regenerate
+from kimilab.traffic.datasets import DATASETS, MOONCAKE_CONVERSATION, REAL_TRACES, regenerate
 from kimilab.traffic.generators import (agent_loops, chat_sessions, document_qa, mixed_workload,
                                         mooncake_conversation_like)
 from kimilab.traffic.request import DEFAULT_BLOCK_SIZE, Request
@@ -34,5 +35,7 @@ __all__ = [
     "trace_stats",
     "format_stats",
     "DATASETS",
+    "REAL_TRACES",
+    "MOONCAKE_CONVERSATION",
     "regenerate",
 ]

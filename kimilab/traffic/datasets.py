@@ -1,10 +1,14 @@
-"""The traces committed in data/: how each one is made, and one call that rewrites them all.
+"""The traces committed in data/: one real, the rest generated, and one call that rewrites those.
 
-Every file in ``data/`` is generated (nothing comes from a real user), so the
-registry below is the whole provenance: the file name, the call that makes
-it (as text, for ``data/README.md``) and the call itself. :func:`regenerate`
-writes them byte-identical on every machine; ``python -m kimilab traces
-regenerate data/`` is the command-line form.
+``REAL_TRACES`` is real traffic shipped as published (with its licence beside it):
+Moonshot AI's Mooncake conversation trace, 12,031 requests from one hour of Kimi.
+Every chapter's claim about real serving is measured on it.
+
+``DATASETS`` is every generated file: the file name, the call that makes it (as
+text, for ``data/README.md``) and the call itself. The generators supply what the
+real trace lacks (agent loops with forks, long shared documents, small chat
+sessions one can read). :func:`regenerate` writes them byte-identical on every
+machine; ``python -m kimilab traces regenerate data/`` is the command-line form.
 """
 
 from __future__ import annotations
@@ -16,7 +20,22 @@ from kimilab.traffic.generators import agent_loops, chat_sessions, document_qa, 
 from kimilab.traffic.request import Request
 from kimilab.traffic.trace import to_trace, write_trace
 
-__all__ = ["DATASETS", "regenerate"]
+__all__ = ["REAL_TRACES", "MOONCAKE_CONVERSATION", "DATASETS", "regenerate"]
+
+MOONCAKE_CONVERSATION = "mooncake_conversation.jsonl"
+
+# file name -> where it comes from (checked by tests/test_traffic.py and listed in data/README.md)
+REAL_TRACES: dict[str, dict] = {
+    MOONCAKE_CONVERSATION: {
+        "source": "https://github.com/kvcache-ai/Mooncake",
+        "path": "FAST25-release/traces/conversation_trace.jsonl",
+        "commit": "3b5a594133958449a1feaf1c9e0fc1b553e34a28",
+        "licence": "Apache-2.0 (data/LICENSE-mooncake-APACHE)",
+        "sha256": "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+        "bytes": 3_029_533,
+        "requests": 12_031,
+    },
+}
 
 # file name -> (how it is made, as text for data/README.md; the builder)
 DATASETS: dict[str, tuple[str, Callable[[], list[Request]]]] = {

@@ -20,13 +20,14 @@ from kimilab.traffic.segments import (DEFAULT_VOCAB, Spec, Uids, draw_lengths, m
                                       poisson_times_ms, sorted_specs, specs_to_trace)
 from kimilab.validate import check_float, check_int
 
-__all__ = ["chat_sessions", "agent_loops", "document_qa", "mooncake_conversation_like",
+__all__ = ["chat_specs", "chat_sessions", "agent_loops", "document_qa", "mooncake_conversation_like",
            "mixed_workload"]
 
 
-def _chat_specs(n_sessions: int, seed: int, *, mean_turns: float, max_turns: int,
-                system_len: int, user_len: float, reply_len: float, session_rate_per_s: float,
-                think_ms: float) -> list[Spec]:
+def chat_specs(n_sessions: int, seed: int, *, mean_turns: float, max_turns: int,
+               system_len: int, user_len: float, reply_len: float, session_rate_per_s: float,
+               think_ms: float) -> list[Spec]:
+    """Multi-turn chat as segment specs: each turn re-sends the history, the last reply included."""
     check_int("n_sessions", n_sessions, 1)
     check_int("max_turns", max_turns, 1)
     check_int("system_len", system_len, 0)
@@ -64,7 +65,7 @@ def chat_sessions(n_sessions: int = 60, *, seed: int = 0, mean_turns: float = 5.
     are ``1 + Poisson(mean_turns - 1)`` capped at ``max_turns``. The previous
     turn's reply (``output_length`` tokens) is part of the next prompt.
     """
-    specs = _chat_specs(n_sessions, seed, mean_turns=mean_turns, max_turns=max_turns,
+    specs = chat_specs(n_sessions, seed, mean_turns=mean_turns, max_turns=max_turns,
                         system_len=system_len, user_len=user_len, reply_len=reply_len,
                         session_rate_per_s=session_rate_per_s, think_ms=think_ms)
     return materialise(specs, seed, vocab_size)

@@ -1,0 +1,77 @@
+"""Prefill time and checkpoint-copy time on the assumed accelerator: turning hits into seconds.
+
+A prefill of ``n_new`` tokens on top of ``n_cached`` cached ones does
+:func:`~kimilab.costs.flops.prefill_flops` of work and touches the weights plus the
+request's cache. On the busiest rank of a :class:`~kimilab.costs.hardware.Deployment`
+it takes max(FLOPs / (peak x efficiency), bytes / bandwidth). Peak FLOP/s are never
+reached: :data:`PREFILL_EFFICIENCY` is OUR assumption (a round 50% of peak for large
+prefill matmuls), not a measurement, and a parameter. Communication is left out.
+
+A prefix-cache hit of h tokens turns a cold prefill of n into a prefill of n - h on
+top of h cached tokens; :func:`prefill_seconds_saved` is the difference (TTFT saved).
+Keeping a hybrid model's hit usable costs a state checkpoint: a copy of
+:func:`~kimilab.costs.cache_bytes.checkpoint_bytes` (every byte read once and written
+once), :func:`checkpoint_write_seconds`.
+"""
+
+from __future__ import annotations
+
+from kimilab.config import ModelConfig
+from kimilab.costs.cache_bytes import checkpoint_bytes
+from kimilab.costs.flops import prefill_flops
+from kimilab.costs.hardware import DEFAULT_DEPLOYMENT, Deployment, WeightModel
+from kimilab.costs.parallel import rank_flops, rank_weight_bytes_read, request_rank_bytes, state_rank_fraction
+from kimilab.validate import check_float, check_int
+
+__all__ = ["PREFILL_EFFICIENCY", "prefill_seconds", "prefill_seconds_saved", "checkpoint_write_seconds"]
+
+# Fraction of peak FLOP/s a prefill reaches: an ASSUMPTION (ours), not a measurement.
+PREFILL_EFFICIENCY = 0.5
+
+
+def prefill_seconds(cfg: ModelConfig, n_new: int, n_cached: int = 0,
+                    deployment: Deployment = DEFAULT_DEPLOYMENT, *,
+                    efficiency: float = PREFILL_EFFICIENCY, weights: WeightModel | None = None) -> float:
+    """Roofline time to prefill ``n_new`` tokens on top of ``n_cached`` cached ones (one request).
+
+    Busiest rank: max(FLOPs / (device peak x ``efficiency``), bytes / device bandwidth), with
+    FLOPs from :func:`prefill_flops` split as :func:`~kimilab.costs.parallel.rank_flops`
+    splits them (DP-attention keeps one request's mixers on one rank), and bytes = the
+    rank's share of the weights the n_new tokens touch + the request's cache on that rank
+    (cached KV read, new KV written, states). 0.0 when there is nothing to prefill.
+    """
+    n_new = check_int("n_new", n_new, 0, unit="tokens")
+    n_cached = check_int("n_cached", n_cached, 0, unit="tokens")
+    eff = check_float("efficiency", efficiency, minimum=0.0)
+    if not 0.0 < eff <= 1.0:
+        raise ValueError(f"efficiency={efficiency!r}: expected a fraction of peak in (0, 1]")
+    if n_new == 0:
+        return 0.0
+    flops = rank_flops(cfg, prefill_flops(cfg, n_new, n_cached), n_new, n_new, deployment, weights)
+    touched = (rank_weight_bytes_read(cfg, n_new, deployment, weights)
+               + request_rank_bytes(cfg, n_cached + n_new, deployment))
+    dev = deployment.device
+    return max(flops / (dev.peak_flops * eff), touched / dev.hbm_bandwidth)
+
+
+def prefill_seconds_saved(cfg: ModelConfig, n_tokens: int, hit: int,
+                          deployment: Deployment = DEFAULT_DEPLOYMENT, *,
+                          efficiency: float = PREFILL_EFFICIENCY, weights: WeightModel | None = None) -> float:
+    """Prefill seconds a usable hit of ``hit`` tokens saves on an ``n_tokens`` prompt (TTFT saved)."""
+    n_tokens = check_int("n_tokens", n_tokens, 0, unit="tokens")
+    hit = check_int("hit", hit, 0, unit="tokens")
+    if hit > n_tokens:
+        raise ValueError(f"hit={hit}: expected at most n_tokens={n_tokens}")
+    cold = prefill_seconds(cfg, n_tokens, 0, deployment, efficiency=efficiency, weights=weights)
+    warm = prefill_seconds(cfg, n_tokens - hit, hit, deployment, efficiency=efficiency, weights=weights)
+    return cold - warm
+
+
+def checkpoint_write_seconds(cfg: ModelConfig, deployment: Deployment = DEFAULT_DEPLOYMENT) -> float:
+    """Time to copy one state checkpoint in HBM: 2 x its bytes on the busiest rank / bandwidth.
+
+    The copy reads and writes every byte of :func:`checkpoint_bytes` once. Under TP each rank
+    copies its head shard in parallel; under DP-attention the request's rank copies it all.
+    """
+    per_rank = checkpoint_bytes(cfg) * state_rank_fraction(cfg, deployment)
+    return 2.0 * per_rank / deployment.device.hbm_bandwidth

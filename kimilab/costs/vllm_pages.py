@@ -1,0 +1,122 @@
+"""vLLM's hybrid page layout for a KDA + attention model, derived from per-layer bytes.
+
+vLLM keeps ONE pool whose pages all have the same size, and makes that work for a
+hybrid model in two steps (sources in ``chapters/references.md#vllm``):
+
+1. **Page equality, per layer** (``HybridAttentionMambaModelConfig.verify_and_update_config``
+   in ``vllm/model_executor/models/config.py``; later versions moved it to the platform
+   layer): the attention block size is raised to the smallest multiple of the kernel
+   alignment (16 tokens there) whose page -- block tokens x one layer's KV bytes per
+   token -- holds one KDA layer's state (recurrent state + conv state); the state page is
+   then padded up to that size.
+2. **Layer groups** (``_get_kv_cache_groups_uniform_page_size`` in
+   ``vllm/v1/core/kv_cache_utils.py``): layers are grouped by type into groups of equal
+   size -- the layer count of the smallest type, or of the largest when it is under 1.5x
+   the smallest -- padding the last group of a type. A block id names one page in every
+   layer of one group, so every block costs group_size pages.
+
+For Kimi-Linear-48B (1,152 B of MLA latent per token and layer, 2,170,880 B of fp32 state
++ bf16 conv state per KDA layer) that gives 1,888-token blocks and groups of 7: one MLA
+group and 20 KDA layers in 3 groups (one layer padded). A request's state then takes one
+block in each KDA group -- 3 blocks, the price of 3 KV blocks -- where a whole-model
+checkpoint measured in 512-token KV blocks of all 7 MLA layers is 10.5 blocks.
+
+Sizes are per rank. Under tensor parallelism vLLM divides the KDA heads (and conv
+channels) by the TP size but keeps MLA's single latent head whole, so the block shrinks
+with TP (``tensor_parallel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimilab.config import ModelConfig
+from kimilab.costs._check import check_config
+from kimilab.validate import check_int
+
+__all__ = ["VllmHybridPages", "vllm_hybrid_pages"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class VllmHybridPages:
+    """vLLM's page layout for one hybrid model (all byte counts per rank)."""
+
+    align_tokens: int  # attention kernel's block-size multiple
+    tensor_parallel: int
+    kv_token_bytes: int  # one attention layer, one token
+    state_bytes: int  # one KDA layer's recurrent + conv state, unpadded
+    block_tokens: int  # attention block size vLLM picks
+    page_bytes: int  # one layer's page (= block_tokens x kv_token_bytes; state page padded to it)
+    n_attn_layers: int
+    n_kda_layers: int
+    group_size: int  # layers per group (every group the same)
+    attn_groups: int
+    kda_groups: int
+    padded_layers: int  # empty layer slots added to fill the last groups
+
+    @property
+    def state_padding_bytes(self) -> int:
+        """Bytes a state page wastes to match the attention page."""
+        return self.page_bytes - self.state_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes behind one block id: one page in each of a group's layers."""
+        return self.group_size * self.page_bytes
+
+    @property
+    def checkpoint_blocks(self) -> int:
+        """Blocks one whole-model state (every KDA layer) takes: one per KDA group."""
+        return self.kda_groups
+
+    @property
+    def checkpoint_page_bytes(self) -> int:
+        """Bytes one state checkpoint occupies in the pool, padding included."""
+        return self.checkpoint_blocks * self.block_bytes
+
+    @property
+    def state_to_kv_blocks(self) -> float:
+        """Blocks of one checkpoint per block of ``block_tokens`` tokens of KV (all attention layers)."""
+        return self.kda_groups / self.attn_groups
+
+    def kv_blocks(self, n_tokens: int) -> int:
+        """Blocks the KV of ``n_tokens`` tokens takes (every attention group, rounded up to blocks)."""
+        n = check_int("n_tokens", n_tokens, 0, unit="tokens")
+        return self.attn_groups * _cdiv(n, self.block_tokens)
+
+    def request_blocks(self, n_tokens: int) -> int:
+        """Blocks a running request of ``n_tokens`` tokens holds: its KV plus one live state."""
+        return self.kv_blocks(n_tokens) + self.checkpoint_blocks
+
+
+def vllm_hybrid_pages(cfg: ModelConfig, align_tokens: int = 16, tensor_parallel: int = 1) -> VllmHybridPages:
+    """Derive vLLM's hybrid page layout for ``cfg`` from its per-layer bytes (see the module doc).
+
+    ``align_tokens``: the attention backend's block multiple (16 in the version cited;
+    backends that need 64 give 1,920-token blocks for Kimi-Linear-48B). ``tensor_parallel``:
+    TP size; KDA heads must divide by it. ValueError for a config without both layer kinds.
+    """
+    check_config(cfg)
+    align = check_int("align_tokens", align_tokens, 1, unit="tokens")
+    tp = check_int("tensor_parallel", tensor_parallel, 1)
+    n_attn, n_kda = len(cfg.attn_layers), len(cfg.kda_layers)
+    if not n_attn or not n_kda:
+        raise ValueError(f"cfg={cfg.name!r}: vLLM's hybrid layout needs both KDA and attention layers "
+                         f"(has {n_kda} KDA, {n_attn} attention)")
+    if cfg.n_heads % tp:
+        raise ValueError(f"tensor_parallel={tp}: expected a divisor of the {cfg.n_heads} KDA heads")
+    kv_heads = 1 if cfg.attn_kind == "mla" else cfg.attn_kv_heads_eff  # vLLM: max(1, heads // tp) per rank
+    per_head = cfg.kv_elems_per_token_layer * cfg.kv_bytes // kv_heads
+    kv_token = max(1, kv_heads // tp) * per_head
+    state = (cfg.kda_state_elems_layer * cfg.state_bytes + cfg.conv_state_elems_layer * cfg.conv_bytes) // tp
+    block = align * _cdiv(state, align * kv_token)
+    lo, hi = min(n_attn, n_kda), max(n_attn, n_kda)
+    group = hi if hi < 1.5 * lo else lo
+    attn_groups, kda_groups = _cdiv(n_attn, group), _cdiv(n_kda, group)
+    padded = (attn_groups + kda_groups) * group - n_attn - n_kda
+    return VllmHybridPages(align, tp, kv_token, state, block, block * kv_token, n_attn, n_kda,
+                           group, attn_groups, kda_groups, padded)
