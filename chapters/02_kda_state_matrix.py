@@ -22,7 +22,9 @@
 # **What you'll learn.**
 # - How KDA grows out of linear attention in three small steps: the delta rule, a
 #   forget gate, and a gate per key channel.
-# - Why the chunkwise form is faster on a CPU even though it does *more* arithmetic.
+# - How the chunkwise form falls out of unrolling the delta rule inside a chunk (a
+#   triangular solve, the "UT transform"), why it is faster on a CPU even though it
+#   does *more* arithmetic, and what the chunk size trades.
 # - That a KDA state has a fixed size, whatever the context length, while a KV cache
 #   grows with every token.
 # - That KDA states do not add: two halves of a sequence *compose*, in order. Every
@@ -30,8 +32,8 @@
 #   work around this.
 #
 # **What you'll need.** Chapter 1 (attention and the KV cache), numpy, and matrix
-# products. Everything here is exact float64 arithmetic on random inputs; no trained
-# model is involved. Timings are CPU timings on whatever machine runs the notebook.
+# products. Everything here is float64 arithmetic on random inputs (float32 where
+# said); no trained model is involved. Timings are CPU timings on whatever machine runs the notebook.
 
 # %%
 import matplotlib.pyplot as plt
@@ -40,7 +42,7 @@ import numpy as np
 from kimilab import costs, kda, plots
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
 from kimilab.exercises import check
-from kimilab.kda.testing import random_inputs
+from kimilab.kda.testing import PROPERTY_EXAMPLES, random_inputs
 from kimilab.notebook import show_source
 from kimilab.ops.attention import KVCache
 from kimilab.timing import best_seconds
@@ -52,6 +54,15 @@ rng = np.random.default_rng(0)
 def close(a, b, tol=1e-10):
     """Printed as a boolean: float64 noise must not leak into stored outputs."""
     return bool(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0) < tol)
+
+
+def magnitude(x):
+    """An error as its nearest power of ten, '~1e-06': rounding noise stays out of stored outputs."""
+    return "0" if x == 0 else f"~1e{int(np.round(np.log10(x))):+03d}"
+
+
+def max_error(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
 
 
 # %% [markdown]
@@ -99,15 +110,28 @@ print("  linear attention:", np.round(S_add.T @ key, 3))
 print("  delta rule:      ", np.round(S_delta.T @ key, 3))
 
 # %% [markdown]
-# The difference matters once more pairs are stored than the state has room for. We
-# store N random (key, value) pairs in a K = 16 state and read every value back with
-# its own key:
+# How well does a state remember many pairs? We store N (key, value) pairs in a
+# K = 16 state and read every value back with its own key. Both rules build the state
+# from writes along keys, `S = sum_i k_i u_i^T` (`u_i = v_i` for linear attention, the
+# corrected value for the delta rule), so reading key `k_j` returns
+# `S^T k_j = sum_i (k_i . k_j) u_i`: every stored pair whose key overlaps `k_j` leaks
+# into the read. So:
+#
+# - with **orthonormal** keys (possible only while N <= K), both rules read back every
+#   value exactly;
+# - with random unit keys, which overlap, each delta write `beta k_t (v_t - S^T k_t)^T`
+#   makes the read of key t exact at that moment but also shifts the read of every
+#   earlier key j by `(k_j . k_t)` times the correction: later writes disturb earlier
+#   ones. Past N = K the keys cannot all be orthogonal, and the state has only K
+#   independent directions to hold N values.
 
 # %%
-def readback_error(n_pairs, rule, K=16, V=16, seed=1):
+def readback_error(n_pairs, rule, K=16, V=16, seed=1, orthonormal=False):
     """Mean relative error reading back n_pairs stored (key, value) pairs."""
     r = np.random.default_rng(seed)
     keys = kda.l2_normalize(r.standard_normal((n_pairs, K)))
+    if orthonormal:  # rows of a random orthogonal matrix: needs n_pairs <= K
+        keys = np.linalg.qr(r.standard_normal((K, K)))[0][:n_pairs]
     values = r.standard_normal((n_pairs, V))
     S = np.zeros((K, V))
     for key_t, value_t in zip(keys, values):
@@ -123,6 +147,10 @@ pairs = np.arange(1, 65)
 fig, ax = plt.subplots()
 for rule in ("linear-attention", "delta-rule"):
     ax.plot(pairs, [readback_error(int(n), rule) for n in pairs], **plots.style_of(rule))
+orth_pairs = pairs[pairs <= 16]
+orth_errors = [readback_error(int(n), "delta-rule", orthonormal=True) for n in orth_pairs]
+ax.plot(orth_pairs, orth_errors, linestyle="--", marker="o", color=plots.color("delta-rule"),
+        label=f"{plots.label('delta-rule')}, orthonormal keys (N <= K)")
 ax.axvline(16, linestyle=":", color=plots.color("analytic"), label="key dimension K = 16")
 ax.set_xlabel("pairs stored in the state (count)")
 ax.set_ylabel("mean relative read-back error (ratio)")
@@ -130,13 +158,23 @@ ax.set_title("Recalling stored values from a 16 x 16 state")
 ax.legend()
 plots.save(fig, "ch02-readback")
 plt.show()
-print("error with 8 pairs stored: linear attention "
-      f"{readback_error(8, 'linear-attention'):.2f}, delta rule {readback_error(8, 'delta-rule'):.2f}")
+print(f"{'pairs':>5} {'linear attention':>17} {'delta rule':>11}   (mean relative read-back error, random unit keys)")
+for n in (1, 8, 16, 32, 64):
+    print(f"{n:5d} {readback_error(n, 'linear-attention'):17.2f} {readback_error(n, 'delta-rule'):11.2f}")
+worst_orth = max(max(readback_error(n, rule, orthonormal=True) for n in range(1, 17))
+                 for rule in ("linear-attention", "delta-rule"))
+first_above = next(int(n) for n in pairs if readback_error(int(n), "delta-rule") > 1)
+print(f"delta rule: error first above 1 at {first_above} pairs")
+print(f"orthonormal keys, 1..16 pairs, both rules: largest error {magnitude(worst_orth)} (float64 rounding)")
 
 # %% [markdown]
-# *Takeaway:* both recall a single pair exactly. Beyond that the delta rule's error
-# is lower at every count and levels off near 1 (old pairs are overwritten), while
-# linear attention's interference keeps piling up (error 2 at 64 pairs).
+# *Takeaway:* with orthonormal keys and N <= K the read-back is exact (the dashed line
+# sits at 0). With overlapping random keys both rules recall only a single pair
+# exactly; beyond that the delta rule's error is lower at every count printed, but it
+# still grows: 0.80 at 16 pairs, first above 1 at 29 pairs, 1.20 at 64. An error above
+# 1 means the read-back is further from the stored value than a read of zero would be:
+# those pairs are effectively overwritten. Linear attention's interference piles up
+# faster (2.03 at 64).
 #
 # ## Step 2: a forget gate (the gated delta rule)
 #
@@ -148,8 +186,10 @@ print("error with 8 pairs stored: linear attention "
 #
 # KDA makes the decay a vector: each of the K key channels (rows of `S`) has its own
 # forget rate, `S <- diag(exp(g_t)) S`, with `g_t` a vector of natural-log decays
-# (`g <= 0`). Some channels can keep information for thousands of tokens while others
-# forget within a few. In BOOK.md's notation, per head:
+# (`g <= 0`). Some channels can keep information for hundreds of tokens while others
+# forget within a few. Per head, in the notation of the Kimi Linear tech report
+# (arXiv:2510.26692, [kimi-report](references.md#kimi-report)) and of
+# flash-linear-attention's KDA kernels ([fla](references.md#fla)):
 #
 # ```
 # S <- diag(exp(g_t)) S                 # decay each key-row
@@ -160,7 +200,7 @@ print("error with 8 pairs stored: linear attention "
 # This is the package's one-token update, shared by the sequence loop and by decode:
 
 # %%
-show_source(kda.recurrent._recurrent_update)
+show_source(kda.kda_update)
 
 # %%
 show_source(kda.recurrent_kda)
@@ -218,80 +258,157 @@ for h in range(H_demo):
 #
 # The recurrence runs T tiny steps, each a handful of K x V operations. On a CPU (or a
 # GPU) that is slow: every step pays call overhead and cannot use matrix-multiply
-# hardware. The chunkwise form splits the sequence into chunks of C = 64 tokens and,
-# inside each chunk, rewrites the C delta steps as a few C x C and C x K matrix
-# products. With `q` already scaled and `G` the cumulative sum of `g` inside the chunk:
+# hardware. The chunkwise form cuts the sequence into chunks of C tokens (C = 64 by
+# default) and, inside each chunk, rewrites the C delta steps as a few C x C and C x K
+# matrix products. It is derived by unrolling the recurrence inside one chunk.
 #
-# ```
-# Akk[i,j] = sum_d k_id k_jd exp(G_id - G_jd)   (j < i)
-# T  = (I + StrictTril(diag(beta) Akk))^-1 diag(beta)     # UT transform
-# W  = T (exp(G) * K);  U = T V;  V' = U - W S
-# Aqk[i,j] = sum_d q_id k_jd exp(G_id - G_jd)   (j <= i)
-# O  = (exp(G) * Q) S + Aqk V'
-# S <- diag(exp(G_C)) S + (exp(G_C - G) * K)^T V'
-# ```
+# ### Unrolling the delta rule inside a chunk
 #
-# `Akk`, `Aqk`, the triangular inverse, `W` and `U` do not depend on the state, so
-# they are computed for *every chunk and head at once*. Only the last line (and the
-# two that read `S`) walk through the chunks in order. A short last chunk is padded
-# with `k = v = beta = g = 0`, which leaves the state untouched.
+# Take one chunk, number its tokens i = 1..c, and let `S` be the state entering it. Let
+# `G_i = g_1 + ... + g_i` (a vector over the K channels) be the cumulative log-decay
+# from the start of the chunk through token i, and `D_i = diag(exp(G_i))`. Write
+# `u_i` for the value token i actually writes, so that one step is
+#
+# $$S_i = \mathrm{diag}(e^{g_i})\, S_{i-1} + k_i u_i^\top, \qquad
+#   u_i = \beta_i \big(v_i - (\mathrm{diag}(e^{g_i}) S_{i-1})^\top k_i\big).$$
+#
+# **The state.** Unrolling the first equation from `S_0 = S`, each write `k_j u_j^T` is
+# decayed by the gates of the tokens after it:
+#
+# $$S_i = D_i S + \sum_{j \le i} D_i D_j^{-1} k_j u_j^\top .$$
+#
+# **The writes.** Put that (for `S_{i-1}`, decayed by `e^{g_i}`) into `u_i`. The
+# product `k_i^T D_i D_j^{-1} k_j` is a decayed key-key score,
+# `Akk[i,j] = sum_d k_id k_jd exp(G_id - G_jd)`, and
+#
+# $$u_i + \beta_i \sum_{j<i} A^{kk}_{ij}\, u_j = \beta_i \big(v_i - S^\top (e^{G_i} \odot k_i)\big).$$
+#
+# Stacked over the chunk's rows this is one lower-triangular system,
+# `(I + diag(beta) StrictTril(Akk)) V' = diag(beta) (V - (exp(G) * K) S)`, with `V'`
+# the matrix of rows `u_i`. Call `T = (I + diag(beta) StrictTril(Akk))^-1 diag(beta)`
+# and split the right-hand side:
+#
+# $$V' = \underbrace{T V}_{U} - \underbrace{T (e^{G} \odot K)}_{W}\, S .$$
+#
+# `T`, `W` and `U` do not depend on `S`: they can be computed for every chunk at once.
+# Only `V' = U - W S` needs the state. `T` itself is found row by row, by **forward
+# substitution**: `T_i = beta_i (e_i - sum_{j<i} Akk[i,j] T_j)`. That is the delta
+# rule's sequential dependence again, now on c x c numbers instead of K x V states
+# (this compact form of a product of rank-one updates is the "WY" or "UT" transform of
+# DeltaNet's chunkwise algorithm: Yang et al., *Parallelizing Linear Transformers with
+# the Delta Rule over Sequence Length*, NeurIPS 2024, arXiv:2406.06484).
+#
+# **The outputs and the next state.** `o_i = S_i^T q_i` with the unrolled state gives a
+# part read from the entering state plus decayed query-key scores
+# `Aqk[i,j] = sum_d q_id k_jd exp(G_id - G_jd)` (j <= i) over the chunk's writes, and
+# the state leaving the chunk is the unrolled state at i = c:
+#
+# $$o_i = (e^{G_i} \odot q_i)^\top S + \sum_{j \le i} A^{qk}_{ij} u_j, \qquad
+#   S \leftarrow \mathrm{diag}(e^{G_c})\, S + (e^{G_c - G} \odot K)^\top V' .$$
+#
+# `kda.naive_chunk_kda` is exactly this, for one head in float64, with explicit loops
+# over chunks and rows:
+
+# %%
+show_source(kda.naive_chunk_kda)
+
+# %% [markdown]
+# It reproduces the recurrence, for chunk sizes that do and do not divide T:
+
+# %%
+(q1, k1, v1, g1, b1), S1 = random_inputs(100, 1, 8, 6, seed=21)
+o_rec, s_rec = kda.recurrent_kda(q1, k1, v1, g1, b1, initial_state=S1)
+for C_ in (1, 7, 16, 64, 100):
+    o_nv, s_nv = kda.naive_chunk_kda(q1[:, 0], k1[:, 0], v1[:, 0], g1[:, 0], b1[:, 0], initial_state=S1[0],
+                                     chunk_size=C_)
+    print(f"T=100, chunk {C_:3d}: naive chunked == recurrent (outputs, state): "
+          f"{close(o_nv, o_rec[:, 0])}, {close(s_nv, s_rec[0])}")
+
+# %% [markdown]
+# ### The optimised kernel
+#
+# `kda.chunk_kda` runs the same algebra fast, for many heads and a batch at once:
+#
+# - everything that does not depend on the state (`Akk`, `Aqk`, `W`, `U`, the decay
+#   factors) is computed for a slab of chunks and all heads in a few batched matrix
+#   products; only `V' = U - W S`, the state update and one output product per slab
+#   walk the chunks in order;
+# - `W` and `U` come from one *block* forward substitution on
+#   `[beta exp(G) K | beta V]`: 16 x 16 diagonal blocks are inverted, and each block row
+#   of the solution is one product with the rows already solved. No c x c inverse is
+#   formed (`make bench` times this against `np.linalg.solve`);
+# - `exp(G_i - G_j)` above the diagonal is a *growth* that overflows for strong gates,
+#   so it is never formed: the pair exponent is split as `exp(G_i - G_r) exp(G_r - G_j)`
+#   around the first row r of a block of rows, with blocks small enough that both
+#   factors stay within `e^(±60)` in float32 (`e^(±300)` in float64); strong gates get
+#   smaller blocks, down to one row;
+# - decays below `1e-10` (float32) are set to exactly 0, which keeps subnormal numbers,
+#   which make BLAS slow, out of the products.
+#
+# Its public entry point:
 
 # %%
 show_source(kda.chunk_kda)
 
 # %% [markdown]
-# Two numerical details. First, `exp(G_i - G_j)` above the diagonal (j > i) is a
-# *growth*, not a decay, and overflows for strong gates, so those entries must never
-# be formed as a large number and masked afterwards. Second, to use matrix products
-# the pair exponent is split as `exp(G_i - G_r) exp(G_r - G_j)` around the first row
-# r of a block of rows. Both factors stay within `e^(±spread)`, the spread being the
-# range of G over the block, so the package picks the largest block whose spread is
-# safe (strong gates get smaller blocks, down to one row, which is always safe) and
-# zeroes the bounded upper triangle after the product:
-
-# %%
-show_source(kda.chunk._block_sizes)
-
-# %% [markdown]
-# The UT transform needs `(I + L)^-1` applied to `diag(beta) exp(G) K` and
-# `diag(beta) V`, with `L` strictly lower triangular. Rather than forming the inverse,
-# the package solves for both right-hand sides at once by *block* forward
-# substitution: small diagonal blocks are inverted row by row, and each block row of
-# the solution is one batched product with the rows already solved. `make bench` times
-# it against `np.linalg.solve` on the same stack.
-
-# %%
-show_source(kda.chunk._unit_lower_solve)
-
-# %% [markdown]
 # ### Chunked == recurrent
 #
-# The two forms must agree to rounding error. We try ragged lengths, chunk sizes that
-# do not divide T, strong and weak gates, with and without an initial state, in
-# float64 (the test suite does the same with hypothesis over thousands of shapes).
-# The inputs come from `random_inputs` in `kimilab.kda.testing`, the one seeded
-# generator the tests and `make bench` draw from too: `"kimi-init"` gates are those of
-# a freshly initialised layer, `"strong"` ones decay by up to e^-20 per step.
+# The three forms must agree to rounding error. We try ragged lengths, chunk sizes that
+# do not divide T, strong and weak gates, with and without an initial state, in float64;
+# the naive twin runs on the first head. The test suite (`tests/test_kda.py`) does the
+# same with hypothesis, over the number of random shapes the next cell prints. The
+# inputs come from `random_inputs` in `kimilab.kda.testing`, the one seeded generator
+# the tests and `make bench` draw from too: `"kimi-init"` gates are those of a freshly
+# initialised layer, `"strong"` ones decay by up to e^-20 per step.
 
 # %%
-print(f"{'T':>5} {'chunk':>5} {'gates':>9} {'S0':>5}  max|chunked - recurrent| < 1e-10 (outputs, final state)")
+print(f"tests/test_kda.py draws {PROPERTY_EXAMPLES} random shapes for chunked == recurrent in float64")
+print(f"{'T':>5} {'chunk':>5} {'gates':>9} {'S0':>5}  max|chunked - recurrent| < 1e-10 (outputs, state)  naive twin, head 0")
 for T_, C_, gate, with_state in [(64, 64, "kimi-init", False), (100, 64, "kimi-init", True), (257, 64, "strong", True),
                                  (77, 16, "kimi-init", True), (33, 7, "strong", False)]:
     args, S0 = random_inputs(T_, 3, 16, 8, seed=T_, gate=gate)
     init = S0 if with_state else None
     o_r, s_r = kda.recurrent_kda(*args, initial_state=init)
     o_c, s_c = kda.chunk_kda(*args, initial_state=init, chunk_size=C_)
-    print(f"{T_:5d} {C_:5d} {gate:>9} {str(with_state):>5}  {close(o_c, o_r)}, {close(s_c, s_r)}")
+    o_n, s_n = kda.naive_chunk_kda(*(x[:, 0] for x in args), initial_state=None if init is None else init[0],
+                                   chunk_size=C_)
+    print(f"{T_:5d} {C_:5d} {gate:>9} {str(with_state):>5}  {str(close(o_c, o_r)):>23}, {str(close(s_c, s_r)):<26}"
+          f"{close(o_n, o_r[:, 0])}, {close(s_n, s_r[0])}")
 
 # %% [markdown]
-# In float32 (how the model is served) the two forms differ by float32 rounding only:
+# In float32 (how the model is served) both forms make rounding errors; how large? We
+# run each in float32 and compare with the recurrence in float64 on the same (float32)
+# inputs, as a relative error `max |o - o_ref| / max |o_ref|`, for the chapter's two
+# kinds of gates, at the default chunk of 64. Errors are printed as their nearest power
+# of ten: the exact digits depend on the CPU's BLAS.
 
 # %%
-args32, S0_32 = random_inputs(1000, 4, 64, 64, seed=5, dtype=np.float32)
-o_r, s_r = kda.recurrent_kda(*args32, initial_state=S0_32)
-o_c, s_c = kda.chunk_kda(*args32, initial_state=S0_32)
-rel = np.abs(o_c - o_r).max() / np.abs(o_r).max()
-print(f"float32, T=1000, H=4, K=V=64: dtype {o_c.dtype}, relative difference < 1e-5: {bool(rel < 1e-5)}")
+def float32_errors(gate, chunk_size=64, T=1000, H=4, K=64, seed=5):
+    """Relative float32 errors (recurrent, chunked) of outputs against a float64 recurrence."""
+    args32, S32 = random_inputs(T, H, K, K, seed=seed, dtype=np.float32, gate=gate)
+    o_ref, _ = kda.recurrent_kda(*(x.astype(np.float64) for x in args32), initial_state=S32.astype(np.float64))
+    o_rec32, _ = kda.recurrent_kda(*args32, initial_state=S32)
+    o_chk32, _ = kda.chunk_kda(*args32, initial_state=S32, chunk_size=chunk_size)
+    assert o_chk32.dtype == np.float32
+    scale = np.abs(o_ref).max()
+    return max_error(o_rec32, o_ref) / scale, max_error(o_chk32, o_ref) / scale
+
+
+print("float32, T=1000, H=4, K=V=64, chunk 64: relative error of outputs vs a float64 reference")
+print(f"{'gates':>9} {'recurrent':>10} {'chunked':>10}")
+for gate in ("kimi-init", "strong"):
+    err_rec, err_chunk = float32_errors(gate)
+    print(f"{gate:>9} {magnitude(err_rec):>10} {magnitude(err_chunk):>10}")
+
+# %% [markdown]
+# With the gentle gates of a freshly initialised layer both forms are at float32
+# rounding, about 1e-7. With strong gates the chunked form is about 30 times worse
+# on the machine that built the book (exact digits in the sweep's wall-clock cell below):
+# inside a chunk it
+# works with the *cumulative* gate `G`, which for strong gates reaches hundreds, and a
+# neighbour decay `exp(G_i - G_j)` is then the difference of two large float32
+# numbers, whose rounding grows with C. The recurrence multiplies one `exp(g_t)` per
+# step. The chunk-size sweep below shows the error growing with C.
 
 # %% [markdown]
 # Decoding uses the one-token step, `kda_step`; a loop of steps equals the sequence
@@ -315,6 +432,7 @@ print(f"40 kda_step calls == recurrent_kda: outputs {close(outs, o_seq)}, state 
 
 # %%
 H_t, D_t = tiny.n_heads, tiny.head_dim
+print(f"tiny: {H_t} heads, K = V = {D_t}, {tiny.dtype}")
 print(f"{'tokens':>7} {'KDA state bytes':>16} {'KV cache bytes (1 layer)':>25}")
 for n_tokens in (64, 512, 4096):
     args, _ = random_inputs(n_tokens, H_t, D_t, D_t, seed=1)
@@ -325,9 +443,11 @@ for n_tokens in (64, 512, 4096):
 print(f"analytic KDA state per layer (tiny): {costs.kda_state_bytes_per_layer(tiny):,d} B")
 
 # %% [markdown]
-# At real scale (BOOK.md: Kimi-Linear-48B has 20 KDA layers of 32 heads x 128 x 128,
-# states kept in fp32) the fixed state is 40 MiB per request, beside chapter 1's KV
-# lines (bf16):
+# At real scale (Kimi-Linear-48B's `config.json`, [kimi-config](references.md#kimi-config):
+# 20 KDA layers of 32 heads with K = V = 128) the fixed state is 40 MiB per request,
+# beside chapter 1's KV lines (bf16). The state is counted in fp32: the report gives no
+# state dtype; fp32 is what vLLM allocates for KDA's recurrent state
+# ([vllm](references.md#vllm)), and chapter 3 also prices a bf16 state.
 
 # %%
 lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
@@ -336,7 +456,10 @@ print(f"Kimi-Linear-48B KDA state per request: {state_total / 2**20:.0f} MiB "
       f"({costs.kda_state_bytes_per_layer(kimi_linear_48b) / 2**20:.0f} MiB per layer x "
       f"{kimi_linear_48b.layer_pattern.count('K')} layers); conv states {costs.conv_state_bytes(kimi_linear_48b) / 2**20:.1f} MiB")
 crossover = state_total / costs.kv_bytes_per_token(kimi_linear_48b)
-print(f"the hybrid's 7 MLA layers cache as many bytes as its 20 KDA states after {crossover:,.0f} tokens")
+print(f"the hybrid's 7 MLA layers cache {costs.kv_bytes_per_token(kimi_linear_48b):,d} B per token: as many bytes "
+      f"as its 20 KDA states after {crossover:,.0f} tokens")
+kv_1m = costs.request_bytes(kimi_linear_48b, 2**20)["kv"]
+print(f"at 1M tokens: KV cache {kv_1m / 1e9:.2f} GB = {kv_1m / state_total:.0f} x the KDA state ({state_total / 1e9:.3f} GB)")
 
 fig, ax = plt.subplots()
 ax.loglog(lengths, [costs.request_bytes(all_mla_27, int(n))["kv"] / 1e9 for n in lengths], **plots.style_of("all-mla"))
@@ -352,9 +475,9 @@ plots.save(fig, "ch02-state-vs-kv")
 plt.show()
 
 # %% [markdown]
-# *Takeaway:* the KDA state is a flat line at 0.04 GB; past about 5k tokens the seven
-# MLA layers' KV cache is the larger part of a request, and at 1M tokens it is 200
-# times the state.
+# *Takeaway:* the KDA state is a flat line at 0.04 GB; past about 5.2k tokens (printed
+# above) the seven MLA layers' KV cache is the larger part of a request, and at 1M
+# tokens it is 202 times the state.
 #
 # ## States do not add
 #
@@ -414,8 +537,10 @@ print("first two segments swapped          == whole:", close(kda.apply_transitio
 # ## Cost: counted FLOPs and measured time
 #
 # Counted per chunk (`kda.chunk_kda_flops`), the chunkwise form does *more* arithmetic
-# than the recurrence: it builds C x C matrices the recurrence never forms. These
-# counts are exact and machine-independent:
+# than the recurrence: it builds C x C matrices the recurrence never forms. The count
+# follows the products `chunk_kda` runs, including its block forward substitution (no
+# inverse is formed, so none is counted). These counts are exact and
+# machine-independent:
 
 # %%
 show_source(kda.chunk_kda_flops)
@@ -442,12 +567,13 @@ plots.save(fig, "ch02-flops")
 plt.show()
 
 # %% [markdown]
-# *Takeaway:* both grow linearly in T (no T^2 term, unlike attention), and the
-# chunked form does about 2.4x more arithmetic than the recurrence.
+# *Takeaway:* both grow linearly in T (no T^2 term, unlike attention), and at chunk 64
+# the chunked form does about 2.1x the arithmetic of the recurrence (the ratio printed
+# above).
 #
 # Yet on a CPU it runs faster, because its work is a few large batched matrix
-# products instead of 4 x T small numpy calls. Measured on this machine (float32,
-# best of 1-3 runs; wall-clock numbers change from run to run):
+# products instead of a handful of small numpy calls per token. Measured on this
+# machine (float32, best of 1-3 runs; wall-clock numbers change from run to run):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -472,11 +598,92 @@ for t, tr, tc in zip(T_values, times_rec, times_chunk):
     print(f"T={t:5d}: recurrent {1e3 * tr:7.1f} ms, chunked {1e3 * tc:6.1f} ms, speed-up {tr / tc:4.1f}x")
 
 # %% [markdown]
-# *Takeaway:* the chunked form is the faster one at every length shown despite its
-# larger FLOP count; `make bench` measures the ratio at T = 4096 (a few x on our
-# 2-core machines) and compares it with flash-linear-attention's PyTorch reference.
-# Prefill (many tokens at once) uses the chunked form; decode (one token) uses
-# `kda_step`.
+# *Takeaway:* on the machine that built the book the chunked form was the faster one at
+# every length shown despite its larger FLOP count (the speed-ups printed above);
+# `make bench` measures the ratio at T = 4096 and compares it with
+# flash-linear-attention's PyTorch reference. Prefill (many tokens at once) uses the
+# chunked form; decode (one token) uses `kda_step`.
+#
+# ### Choosing the chunk size
+#
+# C trades arithmetic against sequential steps. Per token, the chunk's C x C work
+# (`Akk`, `Aqk`, the solve, the in-chunk part of the output) grows like C, while the
+# number of state steps (and of Python-level loop iterations) falls like T / C. We sweep
+# C = 16 ... 256 at T = 4096 (H = 4, K = V = 64): counted FLOPs against the recurrence,
+# the float64 error against the recurrence (max absolute difference of the outputs),
+# and the float32 error with strong gates from the previous section (relative to a
+# float64 reference). All three are deterministic:
+
+# %%
+chunk_sizes = [16, 32, 64, 128, 256]
+T_sweep = int(T_values[-1])
+args_sweep, _ = random_inputs(T_sweep, H_b, K_b, K_b, seed=0)
+o_ref_sweep, _ = kda.recurrent_kda(*args_sweep)
+sweep = {}
+print(f"T={T_sweep}, H={H_b}, K=V={K_b}")
+print(f"{'chunk':>5} {'FLOPs / recurrent':>18} {'float64 error':>14} {'float32 error, strong gates':>28}")
+for C_ in chunk_sizes:
+    o_sweep, _ = kda.chunk_kda(*args_sweep, chunk_size=C_)
+    ratio = kda.chunk_kda_flops(T_sweep, H_b, K_b, K_b, C_) / kda.recurrent_kda_flops(T_sweep, H_b, K_b, K_b)
+    sweep[C_] = (ratio, max_error(o_sweep, o_ref_sweep), float32_errors("strong", chunk_size=C_)[1])
+    print(f"{C_:5d} {ratio:18.2f} {magnitude(sweep[C_][1]):>14} {magnitude(sweep[C_][2]):>28}")
+
+# %% [markdown]
+# And the wall time of each chunk size on this machine (float32, best of 3 runs; the
+# output of this cell is not checked and will differ on yours). It also prints the
+# exact float32 error digits behind the rounded ones above.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+args32_sweep, _ = random_inputs(T_sweep, H_b, K_b, K_b, seed=0, dtype=np.float32)
+t_rec_sweep = best_seconds(lambda: kda.recurrent_kda(*args32_sweep), repeats=1)
+t_sweep = {C_: best_seconds(lambda: kda.chunk_kda(*args32_sweep, chunk_size=C_), repeats=3) for C_ in chunk_sizes}
+print(f"recurrent: {1e3 * t_rec_sweep:.1f} ms")
+print(f"{'chunk':>5} {'ms':>7} {'speed-up vs recurrent':>22} {'FLOPs / recurrent':>18} {'float32 error, strong':>22}")
+for C_ in chunk_sizes:
+    print(f"{C_:5d} {1e3 * t_sweep[C_]:7.1f} {t_rec_sweep / t_sweep[C_]:21.1f}x {sweep[C_][0]:18.2f} {sweep[C_][2]:22.1e}")
+fastest = min(t_sweep, key=t_sweep.get)
+print(f"fastest chunk size on this machine: {fastest} ({1e3 * t_sweep[fastest]:.1f} ms; default 64: "
+      f"{1e3 * t_sweep[64]:.1f} ms)")
+err_rec, err_chunk = float32_errors("strong")
+print(f"float32, strong gates, chunk 64: recurrent {err_rec:.1e}, chunked {err_chunk:.1e} ({err_chunk / err_rec:.0f}x)")
+
+fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(12, 3.6))
+ax1.plot(chunk_sizes, [1e3 * t_sweep[c] for c in chunk_sizes], marker="s", **plots.style_of("chunked"))
+ax1.axhline(1e3 * t_rec_sweep, linestyle="--", **plots.style_of("recurrent"))
+ax1.set_ylim(bottom=0)
+ax1.set_ylabel("wall-clock time (ms, this CPU)")
+ax1.set_title("time, float32")
+ax2.plot(chunk_sizes, [sweep[c][0] for c in chunk_sizes], marker="s", **plots.style_of("chunked"))
+ax2.axhline(1.0, linestyle="--", **plots.style_of("recurrent"))
+ax2.set_ylabel("counted FLOPs / recurrent (ratio)")
+ax2.set_title("arithmetic")
+ax3.plot(chunk_sizes, [sweep[c][2] for c in chunk_sizes], marker="s", **plots.style_of("chunked"))
+ax3.axhline(err_rec, linestyle="--", **plots.style_of("recurrent"))
+ax3.set_yscale("log")
+ax3.set_ylabel("relative error vs float64 (ratio)")
+ax3.set_title("float32 error, strong gates")
+for ax in (ax1, ax2, ax3):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(chunk_sizes, [str(c) for c in chunk_sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("chunk size C (tokens)")
+    ax.legend()
+fig.suptitle(f"Chunk-size sweep, T={T_sweep}, H={H_b}, K=V={K_b}")
+plots.save(fig, "ch02-chunk-sweep")
+plt.show()
+
+# %% [markdown]
+# *Takeaway:* larger chunks cost more arithmetic (1.25x the recurrence at C = 16, 5.49x
+# at C = 256) and, with strong gates in float32, more rounding error (about 1e-6 at
+# C = 16, 1e-5 at C = 256); in float64 every C is exact to 1e-16 .. 1e-15. Wall time
+# does not follow the FLOPs alone: on the machine that built the book (2 shared cores)
+# chunks of 16 and 32 were as fast as the default 64 or faster, and 128 and 256 much
+# slower (the numbers are in the cell above; on a busy machine the large chunks slow
+# down most). The default
+# is the chunk size of flash-linear-attention's KDA kernels (`chunk_local_cumsum(g,
+# chunk_size=64)` in `fla/ops/kda/chunk.py`, [fla](references.md#fla)), which are tuned
+# for GPU tensor cores, not for this CPU.
 
 # %% [markdown]
 # ## Summary
@@ -484,10 +691,17 @@ for t, tr, tc in zip(T_values, times_rec, times_chunk):
 # - Linear attention keeps a K x V state and adds `k v^T`; the delta rule writes only
 #   the difference `v - S^T k`; the gated delta rule forgets by a scalar per step;
 #   KDA forgets per key channel, `S <- diag(exp(g_t)) S`.
-# - `recurrent_kda` (one token at a time) and `chunk_kda` (UT transform over chunks of
-#   64) agree to 1e-10 in float64; a loop of `kda_step` agrees with both.
+# - Unrolling the delta rule inside a chunk gives the chunkwise form: a triangular
+#   system, solved by forward substitution, turns the chunk's writes into
+#   `V' = U - W S`, where `T`, `W = T (exp(G) K)` and `U = T V` do not depend on the
+#   state. `naive_chunk_kda` writes it out; `chunk_kda` batches it.
+# - `recurrent_kda` (one token at a time), `naive_chunk_kda` and `chunk_kda` agree to
+#   1e-10 in float64; a loop of `kda_step` agrees with them. In float32 with strong
+#   gates the chunked form's rounding error grows with the chunk size.
+# - The chunk size trades arithmetic (more with larger C) against sequential steps
+#   (more with smaller C); the best C depends on the machine.
 # - The state is `H x K x V` per layer whatever the context: 40 MiB for
-#   Kimi-Linear-48B's 20 KDA layers, against a KV cache that grows by 8 KB per token
+#   Kimi-Linear-48B's 20 KDA layers, against a KV cache that grows by 8,064 B per token
 #   in its 7 MLA layers.
 # - States do not add. A segment is an affine map `S_out = M S_in + C`; segments
 #   compose in order. Prefix caching (chapters 5-6), speculative rollback (7-8) and
@@ -519,6 +733,8 @@ check(answer_M, np.eye(3), name="M of a do-nothing segment", atol=1e-12,
 # %% [markdown]
 # *Solution:* `M = I` and `C = 0`: the identity transition (`kda.identity_transition`).
 #
-# **3.** (Open) Re-run the "chunked == recurrent" cell with `gate="strong"` and a
-# long T, and print `kda.chunk._block_sizes` for its chunks. Why do strong gates force
-# smaller blocks, and what would go wrong if the exponents were masked *after* `exp`?
+# **3.** (Open) `naive_chunk_kda` computes every decay as `np.exp(G[i] - G[j])`. Change
+# a copy of it to compute `np.exp(G[i]) / np.exp(G[j])` instead, and run both on one
+# head of `random_inputs(256, 1, 8, 8, seed=0, gate="extreme")` with `chunk_size=64`,
+# against `kda.recurrent_kda`. What goes wrong, and why? Why must `chunk_kda`, which
+# uses matrix products, never form `exp(G_i - G_j)` for j > i?

@@ -247,8 +247,10 @@ plt.show()
 # %% [markdown]
 # Every kind shares one arena and freed pages of any kind serve the next request of any
 # kind: D's KV and conv states land in A's old pages (KDA-state pages before), the rest
-# in the free tail, interleaved with what B and C hold. E
-# is refused cleanly because 400 tokens of KV plus its states exceed the free pages.
+# in the free tail, interleaved with what B and C hold. E is refused before it computes
+# anything: its KDA and conv states alone (taken together, all or nothing, when its cache
+# is created) need more pages than are free, so it never gets to ask for KV, and the
+# pool is exactly as it was.
 #
 # ## Four ways to size pages
 #
@@ -304,13 +306,14 @@ ctx = np.unique(np.logspace(0, 17, 120, base=2).astype(int))
 fig, ax = plt.subplots()
 for key in ("vllm-padded", "unified", "split", "jenga"):  # Jenga last: it overlaps split exactly
     layout = layouts[key]
-    waste = [layout.footprint(s48, int(n)).waste_bytes / MiB for n in ctx]
+    waste = np.array([layout.footprint(s48, int(n)).waste_bytes / MiB for n in ctx])
+    waste[waste == 0] = np.nan  # exactly zero at block multiples: a gap in the line, not a spike
     ax.plot(ctx, waste, **plots.style_of(key), **({"ls": "--"} if key == "jenga" else {}))
 ax.set_xscale("log", base=2)
-ax.set_yscale("symlog", linthresh=0.01)
-ax.set_ylim(0, 40)
+ax.set_yscale("log")
+ax.set_ylim(1e-3, 40)
 ax.set_xlabel("tokens held by the request")
-ax.set_ylabel("internal waste per request (MiB)")
+ax.set_ylabel("internal waste per request (MiB, log)")
 ax.set_title("Kimi-Linear-48B: padding per request by page layout")
 ax.legend()
 plots.save(fig, "ch04-waste-per-request")
@@ -385,12 +388,15 @@ for name, res in runs.items():
 # mean wait from arrival to first admission.
 
 # %%
+SPLIT_STYLES = {0.5: ("#F3C969", ":"), 0.9: ("#E69F00", "-."), 2.0: ("#A86F00", "--"), 4.0: ("#5C3D00", "-")}
+
+
 def line_style(name):
+    """The house colour per layout; the split ratios as four shades of its orange, each with its own dash."""
     if name.startswith("split"):
         r = float(name.split("=")[1])
-        shade = {0.5: 0.35, 0.9: 0.55, 2.0: 0.8, 4.0: 1.0}[r]
-        return {"color": plots.color("split"), "alpha": shade, "lw": 1.4,
-                "label": f"{plots.label('split')}, state:KV = {r}"}
+        colour, dash = SPLIT_STYLES[r]
+        return {"color": colour, "ls": dash, "lw": 1.4, "label": f"{plots.label('split')}, state:KV = {r}"}
     return {"color": plots.color(name), "label": plots.label(name), "lw": 1.8}
 
 
@@ -427,7 +433,6 @@ plt.show()
 # %%
 names = list(runs)
 colors = [line_style(n)["color"] for n in names]
-alphas = [line_style(n).get("alpha", 1.0) for n in names]
 labels = [{"unified": "unified", "vllm-padded": "vLLM\npadded", "jenga": "Jenga"}.get(n, n.replace("split r=", "split\n"))
           for n in names]
 fig, axes = plt.subplots(1, 3, figsize=(11.0, 3.8))
@@ -435,9 +440,7 @@ metrics = [("mean requests running", [runs[n].summary()["mean_running"] for n in
            ("mean padding held (MiB)", [runs[n].summary()["mean_padding_MiB"] for n in names]),
            ("preemptions", [runs[n].preemptions for n in names])]
 for ax, (title, values) in zip(axes, metrics):
-    bars = ax.bar(range(len(names)), values, color=colors)
-    for bar, alpha in zip(bars, alphas):
-        bar.set_alpha(alpha)
+    ax.bar(range(len(names)), values, color=colors)
     ax.set_xticks(range(len(names)), labels, fontsize=7)
     ax.set_ylabel(title)
     ax.set_xlabel("layout")
@@ -561,8 +564,8 @@ check(answer, n_pages // per_request, name="requests in an 8 GiB unified pool",
 # <details><summary>Solution</summary>
 #
 # A page is 16 x 1,152 B = 18,432 B, so 8 GiB holds 466,033 pages. A request needs
-# 20 x 118 pages of KDA states, 20 x 4 pages of conv states and 7 x 256 pages of KV:
-# 4,152 pages. 466,033 // 4,152 = 112 requests. Check it by admitting requests into
+# 20 x 114 pages of KDA states (2,097,152 B / 18,432 B, rounded up), 20 x 4 pages of conv
+# states and 7 x 256 pages of KV: 4,152 pages. 466,033 // 4,152 = 112 requests. Check it by admitting requests into
 # `RequestAllocator(UnifiedPages(), s48, 8 * GiB)` until `PoolExhausted`.
 # </details>
 #

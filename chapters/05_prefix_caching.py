@@ -14,11 +14,14 @@
 # %% [markdown]
 # # 5. Prefix caching for attention
 #
-# **What you'll build.** Realistic request traffic (multi-turn chat, agent/tool loops,
-# shared-document Q&A, and a trace shaped like Moonshot's published Mooncake
-# conversation trace), written in the Mooncake trace format; a radix tree over
-# page-sized blocks that caches KV pages across requests; and a replay that measures
-# how much prompt work the cache saves as its capacity grows.
+# **What you'll build.** A replay of **real Kimi traffic** — the conversation trace
+# Moonshot AI published with Mooncake (FAST'25; [mooncake](references.md#mooncake)):
+# 12,031 requests from one hour of Kimi's online service, anonymised to timestamps,
+# lengths and 512-token prefix-block hashes — beside generated traffic for what that
+# trace lacks (multi-turn chat we can run on the tiny model, agent/tool loops,
+# shared-document Q&A); a radix tree over page-sized blocks that caches KV pages across
+# requests; and a replay that measures how much prompt work the cache saves as its
+# capacity grows.
 #
 # **What you'll learn.**
 # - How a Mooncake trace describes prefix sharing with nothing but chained block ids.
@@ -32,8 +35,9 @@
 #   problem chapter 6 solves.
 #
 # **What you'll need.** Chapters 3 (the hybrid model and its cache) and 4 (the page
-# pool). The traces are synthetic and the model is the reduced, untrained `tiny`
-# config: the mechanisms are exact, the traffic is plausible rather than real.
+# pool). One trace is real (`data/mooncake_conversation.jsonl`, Apache-2.0, source and
+# checksum in `data/README.md`); the others are generated, and the text says which is
+# which. The model is the reduced, untrained `tiny` config: the mechanisms are exact.
 # Everything runs on a CPU in a few seconds.
 
 # %%
@@ -41,6 +45,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
+import kimilab.prefix as prefix
 import kimilab.traffic as wl
 from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
@@ -50,9 +55,8 @@ from kimilab.notebook import show_source
 from kimilab.pool import PagePool
 from kimilab.prefix import RadixTree
 from kimilab.sim import simulate
-from kimilab.sim.loop import _CacheMeter
 from kimilab.tokenizer import ByteTokenizer
-from kimilab.traffic.generators import _chat_specs
+from kimilab.traffic.generators import chat_specs
 
 plots.use_style()
 
@@ -74,7 +78,7 @@ plots.use_style()
 # simulated milliseconds. Here is the chat generator:
 
 # %%
-show_source(_chat_specs)
+show_source(chat_specs)
 
 # %% [markdown]
 # The generator first builds each prompt as a list of *segments* `(uid, length)`: the
@@ -119,8 +123,9 @@ for rec in wl.to_trace(toy, block_size=4):
 # validates every line and names the line and field of the first bad one:
 
 # %%
-files = {"chat": "chat.jsonl", "agent": "agent.jsonl", "document": "document.jsonl",
-         "conversation": "conversation_like.jsonl"}
+files = {"mooncake": "mooncake_conversation.jsonl",  # real: Kimi's traffic, as published
+         "chat": "chat.jsonl", "agent": "agent.jsonl", "document": "document.jsonl",  # generated
+         "conversation": "conversation_like.jsonl"}  # generated, shaped like the real trace
 traces = {key: wl.load_trace(f"../data/{name}", 512) for key, name in files.items()}
 
 try:
@@ -144,31 +149,41 @@ for key, records in traces.items():
 # `reuse` is the token-weighted hit rate of an *infinite* block cache (every block seen
 # before is a hit) — a property of the traffic, the ceiling for any real cache.
 #
-# The conversation-like trace was tuned to the published statistics of Mooncake's
-# conversation trace: about 12,000 requests in an hour, input mean about 12k tokens,
-# p50 about 7k, p99 about 85k, output mean about 340, one common first block. It
-# matches those (12,044 requests; 11,847 / 7,036 / 85,373; 340). Its reuse was not
-# tuned: conversations average three turns, which gives a ceiling of 0.669.
+# The first row is the real trace; the others are ours. The generated conversation-like
+# trace was written (before we shipped the real one) to match the real trace's
+# published length statistics, and it does — requests per hour, input mean, p50 and
+# p99 within a few percent, one common first block — but its reuse was not tuned, and
+# it is far too high: conversations of three turns on average give it an
+# infinite-cache ceiling well above the real trace's (the `reuse` column). Length
+# statistics do not pin down reuse, so from here on every Mooncake comparison is made on
+# the real trace; the generators stay for what it does not contain (agent loops that
+# fork, shared long documents, chat the tiny model can actually run):
+
+# %%
+real, generated = stats["mooncake"], stats["conversation"]
+for field in ("requests", "input_mean", "input_p50", "input_p99", "output_mean", "reuse_upper_bound"):
+    digits = 3 if field == "reuse_upper_bound" else 0
+    print(f"{field:<18} real {real[field]:>9,.{digits}f}   generated {generated[field]:>9,.{digits}f}   "
+          f"generated / real {generated[field] / real[field]:5.2f}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
 for key, records in traces.items():
     lengths = np.sort([r.input_length for r in records])
     ax.plot(lengths, np.arange(1, len(lengths) + 1) / len(lengths), **plots.style_of(key))
-ax.plot([7_000, 85_000], [0.50, 0.99], "x", color="black", markersize=9, mew=2,
-        label="Mooncake conversation p50 / p99 (published)")
 ax.set_xscale("log")
 ax.set_xlabel("prompt length (tokens)")
 ax.set_ylabel("fraction of requests (CDF)")
-ax.set_title("Prompt lengths of the four workloads")
+ax.set_title("Prompt lengths: the real Kimi trace (black) and four generated workloads")
 ax.legend(loc="upper left", fontsize=8)
 plots.save(fig, "ch05-prompt-lengths")
 plt.show()
 
 # %% [markdown]
-# The conversation-like trace (pink) passes through both published percentiles; the
-# agent and document workloads are long because their shared prefixes (tool prompt,
-# document) are long.
+# The generated conversation-like trace (pink) meets the real one (black) at the median
+# and the 99th percentile, as it was tuned to, but not in between: the real trace has
+# many more short prompts. And it overstates reuse, as the next section measures. The agent and document workloads are long because their shared prefixes
+# (tool prompt, document) are long.
 
 # %% [markdown]
 # ## A radix tree over blocks
@@ -188,7 +203,7 @@ plt.show()
 # `kimilab.prefix.radix` (written for chapter 6, used here) implements it:
 
 # %%
-show_source(RadixTree._match)
+show_source(RadixTree.match_blocks)
 
 # %%
 show_source(RadixTree.evict)
@@ -222,21 +237,22 @@ for name, tokens in prompts.items():
 #
 # `kimilab.sim.simulate(records, cache=tree)` feeds a trace through a tree in timestamp
 # order, one request at a time (the book's one simulation loop; chapter 4 gave it a
-# memory budget instead of a cache). Capacity is the pool size in 512-token blocks; we
-# sweep it from 4 blocks (2k tokens) to 16,384 blocks (8.4M tokens). Replaying the full
-# hour of the conversation-like trace at seven capacities takes several CPU seconds, too
-# much for this chapter's budget, so this cell replays its **first 10 minutes** (a time
-# window, not a random sample, so sessions stay whole) and the three small traces in
-# full. What the loop does with each arriving request:
+# memory budget instead of a cache): for each request it calls the tree's `serve`
+# (below) and adds up the hit. Capacity is the pool size in 512-token blocks; we sweep it from 4
+# blocks (2k tokens) to 65,536 blocks (33.6M tokens). The real trace is replayed whole,
+# by its own timestamps (its README asks for that). For the generated conversation-like
+# trace this cell replays its **first 10 minutes** (a time window, not a random sample,
+# so sessions stay whole), to keep the chapter within its time budget; the three small
+# traces in full.
 
 # %%
-show_source(_CacheMeter.arrive)
+show_source(RadixTree.serve)
 
 # %%
 window_ms = 10 * 60 * 1000
 replayed = dict(traces)
-replayed["conversation"] = [r for r in traces["conversation"] if r.arrival_ms < window_ms]
-capacities = [4, 16, 64, 256, 1024, 4096, 16384]  # blocks of 512 tokens
+replayed["conversation"] = [r for r in traces["conversation"] if r.arrival_ms < window_ms]  # generated
+capacities = [4, 16, 64, 256, 1024, 4096, 16384, 65536]  # blocks of 512 tokens
 hit = {key: [] for key in replayed}
 for key, records in replayed.items():
     for blocks in capacities:
@@ -244,8 +260,8 @@ for key, records in replayed.items():
         hit[key].append(result.kv_hit_rate)
 ceiling = {key: wl.reuse_upper_bound(records, 512) for key, records in replayed.items()}
 
-print(f"conversation window: {len(replayed['conversation']):,} requests, "
-      f"{sum(r.input_length for r in replayed['conversation']):,} prompt tokens")
+for key in ("mooncake", "conversation"):
+    print(f"{key}: {len(replayed[key]):,} requests, {sum(r.input_length for r in replayed[key]):,} prompt tokens")
 print("capacity (tokens): " + "  ".join(f"{b * 512:>9,d}" for b in capacities) + "   infinite")
 for key in replayed:
     print(f"{key:<17} " + "  ".join(f"{h:>9.3f}" for h in hit[key]) + f"   {ceiling[key]:8.3f}")
@@ -262,7 +278,8 @@ ax.set_ylim(0, 1)
 ax.set_xlabel("cache capacity (cached tokens; 1M tokens = 8.1 GB of Kimi-Linear-48B KV)")
 ax.set_ylabel("token-weighted hit rate")
 ax.set_title("Prefix-cache hit rate vs capacity (dotted: infinite cache)")
-ax.legend(loc="upper left", fontsize=8)
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
+fig.tight_layout()
 plots.save(fig, "ch05-hit-rate-vs-capacity")
 plt.show()
 
@@ -273,29 +290,36 @@ plt.show()
 
 # %%
 for key in replayed:
-    reach = next(b * 512 for b, h in zip(capacities, hit[key]) if h >= 0.9 * ceiling[key])
-    print(f"{key:<13} reaches 90% of its ceiling ({ceiling[key]:.3f}) at {reach:>9,d} cached tokens "
-          f"= {reach * costs.kv_bytes_per_token(kimi_linear_48b) / 1e9:6.2f} GB of 48B KV")
+    reach = next((b * 512 for b, h in zip(capacities, hit[key]) if h >= 0.9 * ceiling[key]), None)
+    where = (f"at {reach:>9,d} cached tokens = {reach * kv_bytes / 1e9:6.2f} GB of 48B KV" if reach
+             else f"not within {capacities[-1] * 512:,d} cached tokens")
+    print(f"{key:<13} reaches 90% of its ceiling ({ceiling[key]:.3f}) {where}")
+forty = next((b * 512 for b, h in zip(capacities, hit["mooncake"]) if h >= 0.40), None)
+print(f"real trace: hit rate >= 0.40 at {'no capacity swept (its ceiling is below 0.40)' if forty is None else f'{forty:,d} tokens'}")
 
 # %% [markdown]
-# The three small workloads are saturated by a cache of about 131k tokens: their
-# sessions are short and their shared prefixes few. The conversation window has
-# thousands of concurrent conversations, each re-sending a history of ~12k tokens
-# after a minute of thinking, so it needs millions of cached tokens.
+# The small generated workloads are saturated by a cache of 131k tokens or less: their
+# sessions are short and their shared prefixes few. Conversation traffic is different:
+# thousands of conversations are open at once, each re-sending a history of ~12k tokens
+# after a pause, so its working set is millions of tokens. On the **real** trace the
+# hit rate stays at the shared first block's share (0.043) up to 131k cached tokens and
+# reaches 90% of its ceiling only at 33.6M cached tokens — 270.58 GB of KV at 48B
+# scale, several 8-GPU nodes' worth of HBM. The generated conversation-like window
+# saturates much earlier, at a higher level.
 #
 # The x-axis label converts tokens to bytes for the real model: Kimi-Linear-48B keeps
 # KV only in its 7 MLA layers, 8,064 bytes per token, so a million cached tokens is
 # 8.1 GB.
 #
-# **Against Mooncake's reported cache ratios.** Moonshot reports about 40% for its
-# conversation trace, 59% for tool&agent and 66% for synthetic traffic. Our numbers do
-# not reproduce theirs and should not be read as doing so: the traffic is synthetic,
-# and we do not know the cache capacity behind their figures. What can be compared is
-# the shape. Our agent traffic reuses more than our chat and conversation traffic, as
-# theirs does (59% vs 40%). Our conversation-like trace has a ceiling of 0.67 for the
-# whole hour (0.611 for the 10-minute window); it passes 40% between 0.5M and 2M cached tokens
-# — 4 to 17 GB of KV at 48B scale, a plausible per-node cache. If their 40% were an
-# infinite-cache ratio, real conversations would have fewer turns than ours.
+# **Against Mooncake's reported cache ratio.** Mooncake reports a cache ratio of about
+# 40% for this conversation trace ([mooncake](references.md#mooncake)). Replaying the
+# same trace, an infinite block cache serves 0.374 of its prompt tokens — close to the
+# reported figure, so their 40% is near what any cache could get from this traffic, and
+# no capacity in our sweep gets a plain LRU tree past 40% (its ceiling is below it).
+# The generated conversation-like trace, tuned only to the real trace's lengths, claims
+# a ceiling of 0.669 — 1.79 times the real one. An argument built on it would have
+# overstated every prefix-caching gain by that much; from here on, the book's Mooncake
+# numbers come from the real trace.
 
 # %% [markdown]
 # ## Whole blocks lose the tail
@@ -420,17 +444,40 @@ print(f"checkpoint size: {ckpt.nbytes:,} bytes for tiny; "
       f"{costs.checkpoint_bytes(kimi_linear_48b):,} bytes for Kimi-Linear-48B")
 
 # %% [markdown]
-# So the saved prompt work for turn 2 is:
+# So how much of turn 2's prompt work does a cache save? Measure it: serve turn 1 and
+# then turn 2 through a prefix cache holding the tiny model's real KV pages and states
+# (`kimilab.prefix.ModelPrefixCache`, chapter 6 builds it), once with a policy that
+# keeps **no** states (a KV-only cache, written here as a three-line policy) and once
+# with `ends`, which checkpoints the state where each request's last whole block ends.
+# An attention-only model would resume at the KV hit the radix tree found.
 
 # %%
+class NoStates(prefix.Policy):
+    """A KV-only prefix cache on a hybrid model: never admits a state checkpoint."""
+
+    name = "no-states"
+
+    def positions(self, placement):
+        return []
+
+
+def served(policy):
+    """Prompt tokens of turn 2 a hybrid model skips, after turn 1 went through the cache."""
+    store = prefix.ModelPrefixCache(model, policy, block_size=BLOCK, capacity_tokens=BLOCK * 64)
+    for prompt in (turn1, turn2):
+        _, cache, out = store.prefill(prompt)
+        cache.free()
+    return out.usable_hit
+
+
 scenarios = {
     "no-cache": ("no cache", 0),
     "kv-only": ("KV hit, attention-only model", kv_hit),
-    "kda-state": (f"KV hit, hybrid, no state at {kv_hit}", 0),
-    "checkpoint": ("KV hit + state checkpoint, hybrid", kv_hit),
+    "kda-state": ("KV-only cache, hybrid model", served(NoStates())),
+    "checkpoint": ("KV + state checkpoints (ends), hybrid", served("ends")),
 }
 for key, (name, saved) in scenarios.items():
-    print(f"{name:<36} saved {saved:2d} tokens, recompute {len(turn2) - saved:2d} of {len(turn2)}")
+    print(f"{name:<38} saved {saved:2d} tokens, recompute {len(turn2) - saved:2d} of {len(turn2)}")
 
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
 names = [name for name, _ in scenarios.values()]
@@ -454,16 +501,16 @@ plots.save(fig, "ch05-kv-only")
 plt.show()
 
 # %% [markdown]
-# The radix tree reports the same 64-token hit in all three cached cases, but the hybrid
-# model can use it only when a state checkpoint at that position exists; without one it
-# recomputes every token of turn 2, exactly like no cache.
+# The radix tree finds the same 64-token KV hit in every cached case, but the hybrid
+# model can use it only when a state checkpoint at that position exists; with the
+# KV-only cache it recomputes every token of turn 2, exactly like no cache.
 #
-# At trace scale the consequence is stark. With a KV-only prefix cache, a hybrid model's
-# *usable* hit rate is 0 on every workload above, whatever the capacity, while the same
-# cache, given enough capacity, would have saved an attention model 0.67–0.94 of its
-# prompt work. The fix is to
-# keep state checkpoints too — but one Kimi-Linear-48B checkpoint weighs 43.4 MB, the KV
-# of about 5,400 tokens:
+# At trace scale the consequence is stark. With a KV-only prefix cache a hybrid model
+# resumes nowhere — no state is ever stored, so its *usable* hit rate is zero on every
+# workload above, at any capacity — while the same cache would have saved an attention
+# model the hit rates measured above (0.374 of the real trace's prompt tokens with
+# unlimited memory). The fix is to keep state checkpoints too, but one Kimi-Linear-48B
+# checkpoint is large:
 
 # %%
 per_ckpt = costs.checkpoint_bytes(kimi_linear_48b)
@@ -471,20 +518,23 @@ print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.
       f"= {per_ckpt / (kv_bytes * 512):.1f} blocks of 512 tokens")
 
 # %% [markdown]
-# A checkpoint at every block boundary would cost ten times more memory than the KV it
-# makes usable. Which positions deserve a checkpoint, and how many, is chapter 6.
+# Priced in 512-token KV blocks, a checkpoint at every block boundary would cost about ten
+# times more memory than the KV it makes usable. (vLLM prices it per layer group instead,
+# about three of its much larger blocks; chapter 6 works through both.) Which positions
+# deserve a checkpoint, and how many, is chapter 6.
 #
 # ## Summary
 #
-# - Real traffic shares prefixes: chat re-sends history, agents re-send tool prompts and
+# - Traffic shares prefixes: chat re-sends history, agents re-send tool prompts and
 #   outputs, readers share documents. The Mooncake trace format captures that with
-#   chained 512-token block ids; `kimilab.traffic` generates, exports, validates and
-#   reloads such traces, byte-identically on every machine.
+#   chained 512-token block ids; `kimilab.traffic` loads Moonshot's real conversation
+#   trace and generates, exports, validates and reloads our own, byte-identically.
 # - A radix tree of blocks with pinning and leaf-first LRU turns that sharing into hits.
-#   Token-weighted hit rate climbs with capacity to the workload's ceiling: 0.72 (chat),
-#   0.92 (agent), 0.94 (document), 0.67 (conversation-like, full hour).
-# - Mooncake reports 40% / 59% / 66% for its conversation / tool&agent / synthetic
-#   traces; our synthetic traces reproduce the ordering chat < agent, not the digits.
+#   On the real Kimi trace an infinite cache serves 0.374 of prompt tokens (Mooncake
+#   reports about 40%), and a cache needs tens of millions of tokens to approach that.
+# - A generated trace that matches the real one's length statistics still overstated its
+#   reuse by 1.79x (0.669): lengths do not determine reuse. Generated traffic is used
+#   only for what the real trace lacks: 0.72 (chat), 0.92 (agent), 0.94 (document).
 # - Whole-block matching loses each prompt's partial last block; token-exact matching
 #   recovers part of it.
 # - For a hybrid model a KV hit is usable only where the KDA (and conv) state at that
@@ -511,9 +561,10 @@ check(answer, (2900 // 512) * 512, name="whole blocks",
 # 2. **Capacity.** Replay the agent trace (`traces["agent"]`) with `simulate(..., cache=RadixTree(...))`
 #    at 8, 32 and 128 blocks. Where does the hit rate jump, and how does that relate to
 #    the 6,000-token tool prompt (12 blocks)?
-# 3. **Full hour.** Replay all 12,044 requests of the conversation-like trace at 4,096
-#    blocks (a few seconds). Is the hit rate close to the 10-minute window's? Why might
-#    a window of a trace show a *higher* hit rate at equal capacity, or a lower one?
+# 3. **Full hour.** Replay all 12,044 requests of the generated conversation-like trace
+#    at 4,096 blocks (a few seconds). Is the hit rate close to the 10-minute window's?
+#    Why might a window of a trace show a *higher* hit rate at equal capacity, or a
+#    lower one? Then replay the first 10 minutes of the real trace the same way.
 # 4. **Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
 #    and compute `wl.reuse_upper_bound`. How many turns per conversation would make the
 #    ceiling about 40%?
