@@ -145,3 +145,21 @@ def test_cache_and_memory_together_measure_each_as_alone(agent_trace):
     assert both.as_dict() | {"wall_seconds": 0} == alone_cache.as_dict() | {"wall_seconds": 0}
     assert both.summary() == alone_memory.summary()
     assert np.array_equal(both.running, alone_memory.running)
+
+
+def test_prefill_charged_in_time_delays_tokens_and_recompute():
+    """With prefill_tokens_per_step, a 5,000-token prompt waits ceil(5000/2048) = 3 steps before
+    its first token; with a tight budget, preemptions make recomputation cost steps too."""
+    one = [Request(0, 0, 5000, 10, kind="document")]
+    free = simulate(one, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30))
+    charged = simulate(one, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30), prefill_tokens_per_step=2048)
+    assert charged.makespan_ms - free.makespan_ms == 3 * 20
+    assert charged.completed == free.completed == 1
+    reqs = _small_workload()
+    for layout in POLICIES:
+        a = simulate(reqs, memory=RequestAllocator(layout, SHAPES, 2**29))
+        b = simulate(reqs, memory=RequestAllocator(layout, SHAPES, 2**29), prefill_tokens_per_step=1024)
+        assert b.completed + b.refused == len(reqs) and b.makespan_ms >= a.makespan_ms
+        assert np.all(b.reserved_bytes <= b.capacity_bytes) and np.all(b.padding_bytes >= 0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_step"):
+        simulate(one, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30), prefill_tokens_per_step=0)

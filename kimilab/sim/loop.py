@@ -10,7 +10,8 @@ alone or together:
   FLOPs a hit saves, the memory the cache holds (chapters 5 and 6).
 * ``memory`` — a :class:`~kimilab.pool.requests.RequestAllocator` on a byte budget.
   Requests are admitted first come, first served while they fit; every running
-  request makes one token per engine step of ``step_ms``; a request that needs a
+  request makes one token per engine step of ``step_ms`` (after its prefill, which
+  is free or costs steps: ``prefill_tokens_per_step``); a request that needs a
   new KV block gets it oldest first, and when the pools are full the newest
   running request is preempted (released and re-queued at the head, recomputed
   later, as vLLM's recompute preemption). A request that could not fit even in an
@@ -45,8 +46,9 @@ __all__ = ["simulate"]
 
 @dataclass(eq=False)
 class _Live:
-    """A request inside the engine. While running, its progress is implicit:
-    at step s it holds ``tokens0 + (s - admitted_step)`` tokens."""
+    """A request inside the engine. While running, its progress is implicit: it prefills
+    from ``admitted_step`` and decodes from ``start``, so at step s it holds
+    ``tokens + max(0, s - start)`` tokens."""
 
     req: object
     generated: int = 0  # tokens made before the current admission
@@ -57,9 +59,11 @@ class _Live:
     capacity_tokens: int = 0
     first_admit_ms: int | None = None
     active: bool = False
+    start: int = 0  # first step at which it makes a token (after its prefill)
+    decoding: bool = False
 
     def tokens_at(self, step: int) -> int:
-        return self.tokens + step - self.admitted_step
+        return self.tokens + max(0, step - self.start)
 
 
 class _CacheMeter:
@@ -118,8 +122,11 @@ class _CacheMeter:
 class _Engine:
     """First come, first served admission onto a RequestAllocator; one token per running request per step."""
 
-    def __init__(self, memory, empty, res: SimResult):
+    def __init__(self, memory, empty, res: SimResult, prefill_tokens_per_step: int | None):
         self.alloc, self.empty, self.res = memory, empty, res
+        self.chunk = prefill_tokens_per_step
+        self.decoding = 0  # running requests past their prefill: each makes a token per step
+        self.starts: dict[int, list] = {}  # step -> [(live, epoch)] that finish prefilling then
         self.block = memory.layout.block_tokens(memory.shapes)
         self.fixed, self.per_token = memory.shapes.fixed_bytes, memory.shapes.kv_bytes_per_token
         self.waiting: deque[_Live] = deque()
@@ -145,8 +152,8 @@ class _Engine:
         return -(-tokens // self.block) * self.block
 
     def _push(self, live: _Live) -> None:
-        grow_at = live.admitted_step + live.capacity_tokens - live.tokens
-        finish_at = live.admitted_step + live.req.output_length - live.generated - 1
+        grow_at = live.start + live.capacity_tokens - live.tokens
+        finish_at = live.start + live.req.output_length - live.generated - 1
         if grow_at <= finish_at:
             heapq.heappush(self.events, (grow_at, live.seq, 0, live.epoch, live))
         heapq.heappush(self.events, (finish_at, live.seq, 1, live.epoch, live))
@@ -155,6 +162,9 @@ class _Engine:
         """Release a running request at ``step`` (before its token); returns tokens held."""
         self.alloc.release(live.req.request_id)
         self.running.remove(live)
+        if live.decoding:
+            self.decoding -= 1
+            live.decoding = False
         live.active = False
         live.epoch += 1
         return live.tokens_at(step)
@@ -170,12 +180,23 @@ class _Engine:
             self.waiting.popleft()
             live.capacity_tokens = self._capacity(live.tokens)
             live.admitted_step, live.seq, live.active = step, next(self.seqs), True
+            prefill_steps = 0 if self.chunk is None else -(-live.tokens // self.chunk)
+            live.start = step + prefill_steps
+            if prefill_steps:
+                self.starts.setdefault(live.start, []).append((live, live.epoch))
+            else:
+                live.decoding = True
+                self.decoding += 1
             if live.first_admit_ms is None:
                 live.first_admit_ms = t
             self.running.append(live)
             self.held_tokens += live.tokens
             self._push(live)
-        self.held_tokens += len(self.running)  # every running request makes one token this step
+        for live, epoch in self.starts.pop(step, ()):  # prefill done: it decodes from this step
+            if live.epoch == epoch:
+                live.decoding = True
+                self.decoding += 1
+        self.held_tokens += self.decoding  # every decoding request makes one token this step
         events = self.events
         while events and events[0][0] == step:
             _, _, kind, epoch, live = heapq.heappop(events)
@@ -202,8 +223,9 @@ class _Engine:
         """The newest running request goes back to the head of the queue (recomputed later)."""
         res = self.res
         victim = self.running[-1]
+        made_token = victim.decoding
         victim_tokens = self._leave(victim, step)
-        self.held_tokens -= victim_tokens + 1
+        self.held_tokens -= victim_tokens + made_token
         victim.generated += victim_tokens - victim.tokens
         victim.tokens = victim_tokens
         res.preemptions += 1
@@ -211,8 +233,8 @@ class _Engine:
         self.waiting.appendleft(victim)
 
     def _push_grow(self, live: _Live) -> None:
-        grow_at = live.admitted_step + live.capacity_tokens - live.tokens
-        if grow_at <= live.admitted_step + live.req.output_length - live.generated - 1:
+        grow_at = live.start + live.capacity_tokens - live.tokens
+        if grow_at <= live.start + live.req.output_length - live.generated - 1:
             heapq.heappush(self.events, (grow_at, live.seq, 0, live.epoch, live))
 
     def record(self, t: int) -> None:
@@ -232,14 +254,21 @@ class _Engine:
 
 
 def simulate(requests: Sequence, *, cache=None, memory=None, step_ms: int = 20, label: str | None = None,
+             prefill_tokens_per_step: int | None = None,
              keep_per_request: bool = False, max_steps: int = 1_000_000) -> SimResult:
     """Serve ``requests`` (kimilab.traffic.Request) in arrival order; see the module docstring.
 
     ``cache``: a prefix cache with ``serve``; ``memory``: a fresh RequestAllocator (its
     layout and budget are what the requests run on). One step is ``step_ms`` of
-    simulated time. ``keep_per_request`` keeps each request's cache outcome.
+    simulated time. ``prefill_tokens_per_step`` charges prefill in time: a request
+    admitted (or re-admitted after a preemption, to recompute) with T tokens holds its
+    memory for ceil(T / prefill_tokens_per_step) steps before it makes its first token
+    (None: prefill is free, as in chapter 4's first experiment). ``keep_per_request``
+    keeps each request's cache outcome.
     """
     step_ms = check_int("step_ms", step_ms, 1, unit="simulated ms per engine step")
+    if prefill_tokens_per_step is not None:
+        check_int("prefill_tokens_per_step", prefill_tokens_per_step, 1, unit="tokens per request per step")
     if cache is None and memory is None:
         raise ValueError("simulate: expected a prefix cache (cache=...), a memory budget (memory=...) or both")
     start = time.perf_counter()
@@ -249,7 +278,7 @@ def simulate(requests: Sequence, *, cache=None, memory=None, step_ms: int = 20, 
     engine = None
     if memory is not None:
         empty = type(memory)(memory.layout, memory.shapes, memory.budget_bytes)  # "would it fit alone?"
-        engine = _Engine(memory, empty, res)
+        engine = _Engine(memory, empty, res, prefill_tokens_per_step)
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_ms, i))
     pending = deque(order)
     step = 0
