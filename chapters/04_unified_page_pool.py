@@ -24,7 +24,7 @@
 # **What you'll learn.**
 # - Why a hybrid model makes paging awkward: its three kinds of memory differ in size
 #   by orders of magnitude, and one of them grows while the others do not.
-# - How the production systems cope (BOOK.md): vLLM pads every page to one size in one
+# - How the production systems cope ([references](references.md)): vLLM pads every page to one size in one
 #   pool, SGLang keeps a separate state pool beside the KV pool, Jenga carves large pages
 #   sized to the least common multiple of the page sizes.
 # - What each choice costs at Kimi-Linear-48B scale: bytes lost to padding, memory
