@@ -208,7 +208,7 @@ show_source(KDALayer.output)
 # ## Text in, text out
 #
 # The tokenizer is byte-level: token ids 0..255 are UTF-8 bytes, and four specials sit
-# above them (`<bos>` 256, `<eos>` 257, `<pad>` 258, `<unk>` 259), 260 ids in all. Any
+# above them (`<bos>=256, <eos>=257, <pad>=258, <unk>=259`), 260 ids in all. Any
 # text round-trips exactly. Greedy generation from the untrained model writes bytes
 # with no meaning — which is fine: this book checks mechanisms, not prose.
 
@@ -360,7 +360,7 @@ print(counts, f"(one call per KDA layer; {len(tiny.kda_layers)} KDA layers)")
 # *decoupled key part* that carries the rotary position, shared by all heads. Kimi Linear
 # sets `mla_use_nope: true` (no positional encoding in MLA layers, report §4, p. 6): the
 # 64 dims are still computed, cached and used in the scores, just never rotated. Each of
-# the 20 KDA layers holds a 32 x 128 x 128 state (2 MiB in fp32) and a 3 x 12,288 conv
+# the 20 KDA layers holds a `32 x 128 x 128` state (2 MiB in fp32) and a `3 x 12,288` conv
 # state in bf16. The fp32 state is vLLM's choice, not the report's: vLLM's
 # `MambaStateDtypeCalculator.kda_state_dtype` returns float32 for KDA's recurrent state
 # and the cache dtype for its conv state ([vllm](references.md#vllm)). A bf16 state is a

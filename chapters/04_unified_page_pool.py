@@ -456,7 +456,7 @@ plots.save(fig, "ch04-admission-summary")
 plt.show()
 
 # %% [markdown]
-# Padding is where vLLM-style pages lose (about 480 MiB of the 4 GiB held as padding on
+# Padding is where vLLM-style pages lose (478.4 MiB of the 4 GiB held as padding on
 # average) and where split pools do not (a few MiB); preemptions are highest where a
 # layout packs requests tightly and then runs out of KV blocks mid-decode.
 
@@ -487,9 +487,9 @@ for phase in PHASES:
 #   become document KV and back.
 # - **Jenga-style LCM: close second** (61.5 running, 82.8%). No per-request padding, but
 #   its 18.6 MiB large pages are dedicated to one kind at a time; partly used large pages
-#   hold about 290 MiB on average that the other kind cannot use.
+#   hold 286.8 MiB on average that the other kind cannot use.
 # - **vLLM-style padded: loses on short requests** (57.4 running, 77.0%): the 1,888-token
-#   blocks pad every chat by up to 14.6 MiB, 480 MiB of the budget on average. A 32k-token
+#   blocks pad every chat by up to 14.6 MiB, 478.4 MiB of the budget on average. A 32k-token
 #   document pads by 3%, so the gap narrows on a document-only workload.
 # - **Split pools: only as good as the ratio fits the phase.** The best fixed ratio here
 #   (state:KV = 2) reaches 53.6 running; SGLang's default 0.9 holds only 46 state slots and

@@ -268,6 +268,7 @@ for key in replayed:
 
 # %%
 kv_bytes = costs.kv_bytes_per_token(kimi_linear_48b)
+print(f"Kimi-Linear-48B KV: {kv_bytes:,d} bytes per token ({kv_bytes * 1e6 / 1e9:.1f} GB per million tokens)")
 fig, ax = plt.subplots(figsize=(7.5, 4.3))
 x = np.array(capacities) * 512
 for key in replayed:
@@ -308,7 +309,8 @@ print(f"real trace: hit rate >= 0.40 at {'no capacity swept (its ceiling is belo
 # saturates much earlier, at a higher level.
 #
 # The x-axis label converts tokens to bytes for the real model: Kimi-Linear-48B keeps
-# KV only in its 7 MLA layers, 8,064 bytes per token, so a million cached tokens is
+# KV only in its 7 MLA layers, `costs.kv_bytes_per_token` = 8,064 bytes per token (printed
+# below), so a million cached tokens is
 # 8.1 GB.
 #
 # **Against Mooncake's reported cache ratio.** Mooncake reports a cache ratio of about
@@ -326,7 +328,7 @@ print(f"real trace: hit rate >= 0.40 at {'no capacity swept (its ceiling is belo
 #
 # A block cache only matches whole blocks. A chat turn re-sends the previous prompt
 # plus a reply and a new message, but the previous prompt's partial last block (up to
-# 511 tokens) is not a full block, so it is recomputed. A radix tree that keeps tokens
+# one token short of a block) is not a full block, so it is recomputed. A radix tree that keeps tokens
 # can match *inside* a block (`partial_blocks=True`, token-exact, as SGLang's per-token
 # tree does). For the chat workload, with an unlimited cache:
 

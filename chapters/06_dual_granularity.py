@@ -24,7 +24,8 @@
 # - The *usable hit*: the deepest position where both the KV and a state checkpoint
 #   exist. A hybrid model resumes there and recomputes only the rest.
 # - Why the trade-off is memory: at Kimi-Linear-48B scale one checkpoint weighs as
-#   much as ten KV pages, so every state you keep evicts 5,000 tokens of KV.
+#   much as ten KV pages of 512 tokens, so every state you keep evicts the KV of about
+#   5,384 tokens.
 # - Which policy wins where, measured on the same traces at the same memory: usable
 #   hit rate vs capacity, vs checkpoint interval, the KV/state memory split, and the
 #   prefill FLOPs saved.
@@ -272,8 +273,9 @@ pages("request 2 finished and freed")
 #
 # Two traces from `data/`, both at Kimi-Linear-48B byte sizes:
 #
-# - **conversation**: the Mooncake-conversation-like trace of chapter 5. Replaying all
-#   12,044 requests through four policies at five capacities would take about a minute
+# - **conversation**: the generated Mooncake-conversation-like trace of chapter 5 (the
+#   real trace comes later in this chapter). Replaying all of its requests through four
+#   policies at five capacities would take about a minute
 #   of CPU, so this chapter keeps **every 32nd conversation** (those whose block-1 id
 #   is a multiple of 32; block 1 holds the end of the shared system prompt and the
 #   start of the conversation's first message, so it names one conversation, and whole
@@ -536,9 +538,8 @@ for key in traces:
 # - **`dual` beats `align` and `every-block` at every memory size we tried.** Its advantage is largest where memory
 #   is scarce and sessions many: on the conversation trace 0.107 vs 0.041 for `align`
 #   (2.6x) and 0.060 for `every-block` at 0.26 GB, and 0.410 vs 0.210 and 0.115 at
-#   1.06 GB. On the full hour of the conversation-like trace (`make bench`,
-#   `bench/bench_prefix.py`) it keeps 0.69 of the attention bound's usable hit rate
-#   at 8.5 GB (0.169 vs 0.245) and 0.79 at 33.8 GB (0.508 vs 0.645).
+#   1.06 GB. (On real traffic the gap to the simplest baseline is small: the section
+#   above.)
 # - **`align` is a reasonable second** when prompts mostly extend each other (agent
 #   loops: within 0.06 of `dual` everywhere), and it is the simplest to implement.
 #   Its interval should be long: short chunks mean many states.
