@@ -15,12 +15,12 @@ from kimilab.pool.handles import (Allocation, DoubleFree, ForeignHandle, HandleE
 from kimilab.pool.jenga import JengaHandle, LcmPagePool
 from kimilab.pool.layouts import Footprint, JengaPages, PageLayout, SplitPools, UnifiedPages, VllmPaddedPages
 from kimilab.pool.paged_cache import PagedHybridCache
-from kimilab.pool.pages import FREE_CODE, KIND_CODES, UNBOUNDED_PAGES, PagePool
+from kimilab.pool.pages import FREE_CODE, KIND_CODES, UNBOUNDED_PAGES, PageCount, PagePool
 from kimilab.pool.requests import RequestAllocator
 
 __all__ = [
     "Allocation", "DoubleFree", "ForeignHandle", "HandleError", "PoolError", "PoolExhausted", "PoolStats",
-    "RefcountError", "PagePool", "KIND_CODES", "FREE_CODE", "UNBOUNDED_PAGES", "LcmPagePool", "JengaHandle", "Footprint",
+    "RefcountError", "PagePool", "PageCount", "KIND_CODES", "FREE_CODE", "UNBOUNDED_PAGES", "LcmPagePool", "JengaHandle", "Footprint",
     "PageLayout", "UnifiedPages", "VllmPaddedPages", "JengaPages", "SplitPools", "RequestAllocator",
     "PagedHybridCache",
 ]

@@ -24,7 +24,7 @@ from kimilab.pool.handles import (Allocation, DoubleFree, ForeignHandle, PoolErr
                                   RefcountError, _Block)
 from kimilab.validate import check_int
 
-__all__ = ["PagePool", "KIND_CODES", "FREE_CODE", "UNBOUNDED_PAGES", "check_kind"]
+__all__ = ["PagePool", "PageCount", "KIND_CODES", "FREE_CODE", "UNBOUNDED_PAGES", "check_kind"]
 
 KIND_CODES = {kind: code for code, kind in enumerate(PAGE_KINDS)}  # page map: -1 = free
 FREE_CODE = -1
@@ -291,3 +291,15 @@ class PagePool:
         return (f"PagePool({self.name!r}, n_pages={self.n_pages}, page_bytes={self.page_bytes}, "
                 f"free={self.n_free}, {mode})")
 
+
+class PageCount:
+    """The pool of an accounting-only cache: just how many pages there are and how many are free."""
+
+    __slots__ = ("n_pages", "page_bytes", "n_free")
+
+    def __init__(self, n_pages: int, page_bytes: int):
+        self.n_pages, self.page_bytes, self.n_free = n_pages, page_bytes, n_pages
+
+    @property
+    def n_used(self) -> int:
+        return self.n_pages - self.n_free

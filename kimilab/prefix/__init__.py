@@ -4,6 +4,7 @@
 * ``radix``    RadixTree: KV blocks of an attention model, pinned while used, evicted leaf-first
 * ``policies`` where a hybrid cache keeps state checkpoints, and what it evicts first
 * ``hybrid``   HybridPrefixCache: KV blocks + state checkpoints in one page pool (accounting)
+* ``runs``     RunPrefixCache: the same cache over runs of blocks, the fast twin for trace replays
 * ``tensors``  the same cache holding the runnable model's real KV and states
 """
 
@@ -12,10 +13,11 @@ from kimilab.prefix.hybrid import Checkpoint, HybridPrefixCache, Outcome
 from kimilab.prefix.policies import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, KVOnly, Placement, Policy,
                                      check_interval, make_policy)
 from kimilab.prefix.radix import Match, Node, RadixTree
+from kimilab.prefix.runs import RunPrefixCache
 from kimilab.prefix.tensors import ModelPrefixCache
 
 __all__ = [
     "block_token_counts", "split_prompt", "Match", "Node", "RadixTree", "Placement", "Policy", "KVOnly",
     "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
-    "HybridPrefixCache", "ModelPrefixCache",
+    "HybridPrefixCache", "RunPrefixCache", "ModelPrefixCache",
 ]

@@ -29,7 +29,7 @@ __all__ = ["Checkpoint", "Outcome", "HybridPrefixCache"]
 _COSTS: dict = {}
 
 
-def _shared_costs(config: ModelConfig) -> CacheCosts:
+def shared_costs(config: ModelConfig) -> CacheCosts:
     """One CacheCosts per config for every budgeted cache, so its FLOP memo outlives one replay
     (a sweep replays the same prompt lengths at every capacity and policy)."""
     costs = _COSTS.get(config)
@@ -98,7 +98,8 @@ class HybridPrefixCache:
         self.checkpoint_pages = 0 if policy.free_states else -(-costs.checkpoint_bytes // pool.page_bytes)
         self.tree = RadixTree(pool, block_size, partial_blocks=partial_blocks, allocs_per_node=allocs_per_node,
                               on_evict=self._on_evict, reclaim=self._reclaim)
-        self.tree.priority_of = lambda node: policy.kv_priority(self, node)
+        self.tree.priority_of = lambda node: policy.kv_priority(self, node.last_access, node.end,
+                                                                node.payload is not None)
         self.tree.now = lambda: policy.now(self)
         self._checkpoint_key = ("checkpoint", self.checkpoint_pages, costs.checkpoint_bytes)
         self._heap: list = []
@@ -127,7 +128,7 @@ class HybridPrefixCache:
                     f"(block_size={block_size})"
                 )
             n_pages = min(capacity_tokens // block_size, UNBOUNDED_PAGES)
-        costs = _shared_costs(config)
+        costs = shared_costs(config)
         pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token,
                         backed=False, name=f"prefix-{policy.name}")
         cache = cls(pool, block_size, policy, costs, partial_blocks=partial_blocks)
@@ -139,7 +140,7 @@ class HybridPrefixCache:
         ck = node.payload
         self._serial += 1
         ck.serial = self._serial
-        ck.priority = priority = self.policy.checkpoint_priority(self, node)
+        ck.priority = priority = self.policy.checkpoint_priority(self, ck.last_access, node.end)
         heapq.heappush(self._heap, (priority, self._serial, node))
         if len(self._heap) > 64 + 4 * max(self.n_checkpoints, 1):
             keep = []
@@ -252,7 +253,9 @@ class HybridPrefixCache:
                     break
         added = []
         if not policy.free_states:
-            placement = Placement(path, len(m.nodes), usable, n)
+            j = len(m.nodes) - 1
+            branch = 0 <= j < len(path) - 1 and len(path[j].children) >= 2
+            placement = Placement([node.end for node in path], len(m.nodes), usable, n, branch)
             wanted = [path[i] for i in policy.positions(placement)]
             wanted = [node for node in wanted if node.payload is None and node.end > usable]
             if wanted:
@@ -294,6 +297,11 @@ class HybridPrefixCache:
         self.tree.evict_all()
 
     # ----- accounting -------------------------------------------------------
+    @property
+    def clock(self) -> int:
+        """Requests served so far (the request clock of LRU policies)."""
+        return self.tree.clock
+
     @property
     def turnover(self) -> float:
         """Pages admitted so far / pool pages: how many times the cache has been refilled."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kimilab.prefix.radix import Node
 from kimilab.validate import check_float, check_int
 
 if TYPE_CHECKING:
@@ -39,12 +38,18 @@ __all__ = ["Placement", "Policy", "KVOnly", "EveryBlock", "Align", "Ends", "Ends
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a request's checkpoints may go: the path after insertion and what was hit."""
+    """Where a request's checkpoints may go, in numbers only (so any tree can ask).
 
-    path: list  # every node of the prompt now in the tree, root-side first
+    ``ends[i]`` is the prefix length at the end of the i-th block of the prompt now in
+    the tree (root-side first); ``branch`` is True when the last matched block has two
+    or more children after this request's insertion (the prompt left a cached path there).
+    """
+
+    ends: list  # prefix length (tokens) at the end of each of the prompt's cached blocks
     n_matched: int  # how many of them were cached before this request
     usable_end: int  # tokens covered by the usable hit (a checkpoint or 0)
     n_tokens: int  # prompt length
+    branch: bool = False  # the last matched block is now a branch point
 
 
 class Policy:
@@ -64,15 +69,15 @@ class Policy:
 
     def now(self, cache: "HybridPrefixCache") -> float:
         """The clock stamped on every use: requests served so far."""
-        return float(cache.tree.clock)
+        return float(cache.clock)
 
-    def kv_priority(self, cache: "HybridPrefixCache", node: Node) -> float:
-        """Rank of an evictable KV leaf (with its checkpoint, if any): its last use."""
-        return node.last_access
+    def kv_priority(self, cache: "HybridPrefixCache", last_access: float, end: int, has_checkpoint: bool) -> float:
+        """Rank of an evictable KV leaf ending at ``end`` (with its checkpoint, if any): its last use."""
+        return last_access
 
-    def checkpoint_priority(self, cache: "HybridPrefixCache", node: Node) -> float:
-        """Rank of a checkpoint evicted on its own: its last use."""
-        return node.payload.last_access
+    def checkpoint_priority(self, cache: "HybridPrefixCache", last_access: float, end: int) -> float:
+        """Rank of a checkpoint at ``end`` evicted on its own: its last use."""
+        return last_access
 
     def describe(self) -> str:
         return self.name
@@ -105,7 +110,7 @@ class EveryBlock(Policy):
     name = "every-block"
 
     def positions(self, p: Placement) -> list[int]:
-        return [i for i, node in enumerate(p.path) if node.end > p.usable_end]
+        return [i for i, end in enumerate(p.ends) if end > p.usable_end]
 
 
 class Align(Policy):
@@ -123,11 +128,11 @@ class Align(Policy):
 
     def positions(self, p: Placement) -> list[int]:
         out = [
-            i for i, node in enumerate(p.path)
-            if node.end > p.usable_end and (node.end - p.usable_end) % self.interval == 0
+            i for i, end in enumerate(p.ends)
+            if end > p.usable_end and (end - p.usable_end) % self.interval == 0
         ]
-        last = len(p.path) - 1
-        if p.path and p.path[last].end > p.usable_end and (not out or out[-1] != last):
+        last = len(p.ends) - 1
+        if p.ends and p.ends[last] > p.usable_end and (not out or out[-1] != last):
             out.append(last)
         return out
 
@@ -137,14 +142,14 @@ class Align(Policy):
 
 def _request_end(p: Placement) -> list[int]:
     """The last whole block the prompt left in the tree, if the prefill computes it."""
-    last = len(p.path) - 1
-    return [last] if last >= 0 and p.path[last].end > p.usable_end else []
+    last = len(p.ends) - 1
+    return [last] if last >= 0 and p.ends[last] > p.usable_end else []
 
 
 def _branch_point(p: Placement) -> list[int]:
     """The deepest KV-cached node where the prompt leaves a cached path (see :class:`Dual`)."""
     j = p.n_matched - 1
-    if 0 <= j < len(p.path) - 1 and p.path[j].end > p.usable_end and len(p.path[j].children) >= 2:
+    if p.branch and 0 <= j < len(p.ends) - 1 and p.ends[j] > p.usable_end:
         return [j]
     return []
 
@@ -225,8 +230,8 @@ class Dual(EndsBranch):
         # request end; branch point: the prompt leaves a cached path there (not just extends it)
         out = set(_request_end(p) + _branch_point(p))
         if self.interval:
-            for i, node in enumerate(p.path):
-                if node.end > p.usable_end and node.end % self.interval == 0:
+            for i, end in enumerate(p.ends):
+                if end > p.usable_end and end % self.interval == 0:
                     out.add(i)
         return sorted(out)
 
@@ -238,13 +243,13 @@ class Dual(EndsBranch):
                                           / cache.costs.prefill_flops(cache.block_size))
         return v
 
-    def kv_priority(self, cache, node) -> float:
-        if node.payload is None:
-            return node.last_access
-        return node.last_access + self.alpha * self.value(cache, node.end)
+    def kv_priority(self, cache, last_access, end, has_checkpoint) -> float:
+        if not has_checkpoint:
+            return last_access
+        return last_access + self.alpha * self.value(cache, end)
 
-    def checkpoint_priority(self, cache, node) -> float:
-        return node.payload.last_access + self.alpha * self.value(cache, node.end)
+    def checkpoint_priority(self, cache, last_access, end) -> float:
+        return last_access + self.alpha * self.value(cache, end)
 
     def describe(self) -> str:
         return f"{self.name}(interval={self.interval}, alpha={self.alpha:g})"

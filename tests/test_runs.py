@@ -1,0 +1,90 @@
+"""RunPrefixCache (runs of blocks) is the exact twin of HybridPrefixCache (one node per block)."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kimilab import costs
+from kimilab.config import kimi_linear_48b
+from kimilab.prefix import POLICIES, HybridPrefixCache, RunPrefixCache, make_policy
+from kimilab.sim import simulate
+from kimilab.traffic import MOONCAKE_CONVERSATION, Request, load_trace
+
+CFG = kimi_linear_48b
+BS = 512  # a checkpoint is 11 pages here, so small pools hold a few and must evict them
+
+
+def _requests(turns):
+    """Requests from little paths of choices; a block id names its whole prefix (as Mooncake's do)."""
+    out = []
+    for t, (path, short) in enumerate(turns):
+        ids = tuple(hash(tuple(path[: j + 1])) % 10**9 for j in range(len(path)))
+        out.append(Request(t, t, len(path) * BS - short, 1, hash_ids=ids))
+    return out
+
+
+@st.composite
+def conversations(draw):
+    """Prompts that branch, repeat, stop short and extend earlier ones (multi-turn), as real traffic does."""
+    turns = []
+    for _ in range(draw(st.integers(1, 40))):
+        if turns and draw(st.booleans()):
+            base = draw(st.sampled_from(turns))[0]
+            cut = draw(st.integers(0, len(base)))
+            path = base[:cut] + draw(st.lists(st.integers(0, 2), max_size=8))
+        else:
+            path = draw(st.lists(st.integers(0, 2), max_size=10))
+        if not path:
+            path = [0]
+        turns.append((path, draw(st.sampled_from([0, 0, 1, BS - 1]))))
+    return turns
+
+
+POLICY_CHOICES = st.sampled_from(sorted(POLICIES) + ["align-2", "dual-50", "dual-interval"])
+
+
+def _policy(choice):
+    options = {"align-2": ("align", {"interval": 2 * BS}), "dual-50": ("dual", {"alpha": 50.0}),
+               "dual-interval": ("dual", {"interval": 3 * BS, "alpha": 1.0})}
+    name, kwargs = options.get(choice, (choice, {}))
+    return make_policy(name, **kwargs)
+
+
+def _both(choice, capacity_tokens):
+    return (HybridPrefixCache.for_budget(CFG, _policy(choice), block_size=BS, capacity_tokens=capacity_tokens),
+            RunPrefixCache(CFG, _policy(choice), block_size=BS, capacity_tokens=capacity_tokens))
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations(), st.integers(1, 90), POLICY_CHOICES)
+def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice):
+    blocks, runs = _both(choice, capacity_blocks * BS)
+    for r in _requests(turns):
+        assert runs.serve(r.hash_ids, r.input_length) == blocks.serve(r.hash_ids, r.input_length)
+        assert (runs.kv_pages, runs.checkpoint_pages_used, runs.pages_admitted) == \
+               (blocks.kv_pages, blocks.checkpoint_pages_used, blocks.pages_admitted)
+        runs.check_invariants()
+    assert (runs.checkpoints_admitted, runs.checkpoints_evicted, runs.n_evicted) == \
+           (blocks.checkpoints_admitted, blocks.checkpoints_evicted, blocks.tree.n_evicted)
+    assert runs.n_runs <= blocks.tree.n_nodes == runs.n_blocks
+
+
+@pytest.mark.parametrize("choice, gb", [("ends", 10), ("dual", 40), ("every-block", 160), ("kv-only", 40)])
+def test_the_real_trace_replays_identically(data_dir, choice, gb):
+    """The first 4,000 requests of the Mooncake hour: every request's hits and checkpoints agree."""
+    trace = load_trace(data_dir / MOONCAKE_CONVERSATION)[:4000]
+    capacity = int(gb * 1e9 // costs.kv_bytes_per_token(CFG))
+    results = [simulate(trace, cache=cache, keep_per_request=True) for cache in _both(choice, capacity)]
+    assert results[0].per_request == results[1].per_request
+    assert results[0].as_dict() | {"wall_seconds": 0} == results[1].as_dict() | {"wall_seconds": 0}
+
+
+def test_bad_arguments_name_what_is_expected():
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        RunPrefixCache(CFG, make_policy("dual"), block_size=BS, capacity_tokens=BS - 1)
+    with pytest.raises(ValueError, match="policy"):
+        RunPrefixCache(CFG, "dual", block_size=BS, capacity_tokens=10 * BS)
+    cache = RunPrefixCache(CFG, make_policy("ends"), block_size=BS, capacity_tokens=10 * BS)
+    with pytest.raises(ValueError, match="tokens"):
+        cache.serve(tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="n_tokens"):
+        cache.serve([1], 0)
