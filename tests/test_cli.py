@@ -15,6 +15,7 @@ KEYS = ["policy", "model", "block_size", "capacity_tokens", "capacity_pages", "c
         "usable_hit_tokens", "recomputed_tokens", "kv_hit_rate", "usable_hit_rate", "checkpoints_admitted",
         "checkpoints_evicted", "kv_bytes_peak", "checkpoint_bytes_peak", "kv_bytes_mean",
         "checkpoint_bytes_mean", "prefill_flops_cold", "prefill_flops_saved", "prefill_flops_saved_fraction",
+        "prefill_ms_cold_per_request", "prefill_ms_saved_per_request",
         "wall_seconds", "policy_detail"]
 
 

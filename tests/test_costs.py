@@ -333,6 +333,23 @@ def test_prefill_seconds_saved(n, frac):
     assert m.prefill_seconds_saved(kimi_linear_48b, n, 0) == 0.0
 
 
+@settings(max_examples=60, deadline=None)
+@given(n_new=st.integers(0, 300_000), n_cached=st.integers(0, 1_000_000), dp=st.booleans(),
+       eff=st.sampled_from([0.5, 0.25, 1.0]), mla=st.booleans())
+def test_prefill_timer_equals_prefill_seconds(n_new, n_cached, dp, eff, mla):
+    """The memoised twin used by trace replays gives the direct function's numbers."""
+    cfg, dep = (all_mla_27 if mla else kimi_linear_48b), (DP8 if dp else TP8)
+    timer = m.PrefillTimer(cfg, dep, efficiency=eff)
+    for _ in range(2):  # the second call is served from the memo
+        assert timer.seconds(n_new, n_cached) == pytest.approx(
+            m.prefill_seconds(cfg, n_new, n_cached, dep, efficiency=eff), rel=1e-12, abs=0.0)
+    hit = min(n_cached, n_new)
+    assert timer.seconds_saved(n_new, hit) == pytest.approx(
+        m.prefill_seconds_saved(cfg, n_new, hit, dep, efficiency=eff), rel=1e-9, abs=1e-15)
+    with pytest.raises(ValueError, match="n_new=-1"):
+        timer.seconds(-1, 0)
+
+
 def test_checkpoint_write_seconds():
     b = m.checkpoint_bytes(kimi_linear_48b)
     assert m.checkpoint_write_seconds(kimi_linear_48b) == pytest.approx(2 * b / 8 / m.HBM_BANDWIDTH_BYTES_PER_S)

@@ -31,7 +31,7 @@ from kimilab.costs.parallel import (
     requests_on_busiest_rank, state_rank_fraction,
 )
 from kimilab.costs.prefill import (
-    PREFILL_EFFICIENCY, checkpoint_write_seconds, prefill_seconds, prefill_seconds_saved,
+    PREFILL_EFFICIENCY, PrefillTimer, checkpoint_write_seconds, prefill_seconds, prefill_seconds_saved,
 )
 from kimilab.costs.roofline import (
     DecodePoint, decode_bytes_per_token, decode_point, decode_rank_bytes, decode_step_bytes,
@@ -57,7 +57,7 @@ __all__ = [
     "decode_step_bytes", "decode_bytes_per_token", "decode_rank_bytes", "decode_step_seconds", "max_batch",
     "DecodePoint", "decode_point", "summary",
     # prefill time
-    "PREFILL_EFFICIENCY", "prefill_seconds", "prefill_seconds_saved", "checkpoint_write_seconds",
+    "PREFILL_EFFICIENCY", "prefill_seconds", "prefill_seconds_saved", "checkpoint_write_seconds", "PrefillTimer",
     # vLLM's pages
     "VllmHybridPages", "vllm_hybrid_pages",
 ]

@@ -36,6 +36,8 @@ class SimResult:
     usable_hit_tokens: int = 0
     prefill_flops_cold: int = 0
     prefill_flops: int = 0
+    prefill_seconds_cold: float = 0.0  # roofline prefill time of every prompt from scratch (costs.PrefillTimer)
+    prefill_seconds: float = 0.0  # ... and from each request's usable hit
     checkpoints_admitted: int = 0
     checkpoints_evicted: int = 0
     kv_bytes_peak: int = 0
@@ -78,6 +80,11 @@ class SimResult:
     def prefill_flops_saved(self) -> int:
         return self.prefill_flops_cold - self.prefill_flops
 
+    @property
+    def prefill_ms_saved_per_request(self) -> float:
+        """Mean prefill (TTFT) milliseconds the usable hits saved per request, on the roofline of costs."""
+        return 1e3 * (self.prefill_seconds_cold - self.prefill_seconds) / self.requests if self.requests else 0.0
+
     def as_dict(self) -> dict:
         """The prefix CLI's JSON object (fixed key order)."""
         cold = self.prefill_flops_cold
@@ -107,6 +114,8 @@ class SimResult:
             "prefill_flops_cold": cold,
             "prefill_flops_saved": self.prefill_flops_saved,
             "prefill_flops_saved_fraction": round(self.prefill_flops_saved / cold, 6) if cold else 0.0,
+            "prefill_ms_cold_per_request": round(1e3 * self.prefill_seconds_cold / max(self.requests, 1), 4),
+            "prefill_ms_saved_per_request": round(self.prefill_ms_saved_per_request, 4),
             "wall_seconds": round(self.wall_seconds, 3),
         }
 
