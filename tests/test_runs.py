@@ -88,3 +88,22 @@ def test_bad_arguments_name_what_is_expected():
         cache.serve(tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="n_tokens"):
         cache.serve([1], 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conversations(), st.sampled_from([512, 1024, 1888, 5000]))
+def test_coarser_blocks_only_round_hits_down(turns, new_block):
+    """Keyed at a larger block, a hit is a whole number of large blocks and never exceeds the fine hit."""
+    from kimilab.traffic import coarser_blocks
+
+    fine = _requests(turns)
+    coarse = coarser_blocks(fine, BS, new_block)
+    assert [r.input_length for r in coarse] == [r.input_length for r in fine]
+    a = RunPrefixCache(CFG, make_policy("kv-only"), block_size=BS, capacity_tokens=None)
+    b = RunPrefixCache(CFG, make_policy("kv-only"), block_size=new_block, capacity_tokens=None)
+    for f, c in zip(fine, coarse):
+        hit_fine, hit_coarse = a.serve(f.hash_ids, f.input_length).kv_hit, b.serve(c.hash_ids, c.input_length).kv_hit
+        assert hit_coarse <= hit_fine
+        assert hit_coarse % new_block == 0 or hit_coarse == f.input_length - 1
+        if new_block == BS:
+            assert hit_coarse == hit_fine

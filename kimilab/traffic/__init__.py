@@ -14,8 +14,8 @@ from kimilab.traffic.datasets import DATASETS, MOONCAKE_CONVERSATION, REAL_TRACE
 from kimilab.traffic.generators import (agent_loops, chat_sessions, document_qa, mixed_workload,
                                         mooncake_conversation_like)
 from kimilab.traffic.request import DEFAULT_BLOCK_SIZE, Request
-from kimilab.traffic.trace import (check_chain, format_stats, load_trace, parse_line, reuse_upper_bound,
-                                   to_trace, trace_stats, trace_to_jsonl, write_trace)
+from kimilab.traffic.trace import (check_chain, coarser_blocks, format_stats, load_trace, parse_line,
+                                   reuse_upper_bound, to_trace, trace_stats, trace_to_jsonl, write_trace)
 
 __all__ = [
     "Request",
@@ -30,7 +30,7 @@ __all__ = [
     "write_trace",
     "parse_line",
     "load_trace",
-    "check_chain",
+    "check_chain", "coarser_blocks",
     "reuse_upper_bound",
     "trace_stats",
     "format_stats",

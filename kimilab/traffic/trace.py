@@ -28,7 +28,7 @@ from kimilab.traffic.request import DEFAULT_BLOCK_SIZE, Request
 from kimilab.validate import check_int
 
 __all__ = ["to_trace", "trace_to_jsonl", "write_trace", "parse_line", "load_trace", "check_chain",
-           "reuse_upper_bound", "trace_stats", "format_stats"]
+           "coarser_blocks", "reuse_upper_bound", "trace_stats", "format_stats"]
 
 
 def to_trace(requests: Iterable[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> list[Request]:
@@ -166,6 +166,30 @@ def check_chain(records: Sequence[Request]) -> None:
                 )
             parent = h
     return None
+
+
+def coarser_blocks(records: Sequence[Request], block_size: int, new_block_size: int) -> list[Request]:
+    """The same trace keyed in blocks of ``new_block_size`` tokens (a serving engine with larger blocks).
+
+    A trace only knows prefixes at ``block_size`` resolution, so a coarse block that
+    ends at token ``e`` is keyed by the fine block holding token ``e - 1``: two prompts
+    share it when they share that whole fine block. A hit is counted only where the
+    trace proves it, so it is never more than the engine's real hit (and can be one
+    coarse block less). Ids still name whole prefixes, so siblings never collide.
+    """
+    block_size = check_int("block_size", block_size, 1, unit="tokens")
+    new_block_size = check_int("new_block_size", new_block_size, block_size, unit="tokens (>= block_size)")
+    out = []
+    for i, r in enumerate(records):
+        if r.hash_ids is None:
+            raise ValueError(f"records[{i}].hash_ids=None: expected trace records with block ids")
+        ids, n = r.hash_ids, r.input_length
+        last = len(ids) - 1
+        keys = tuple(ids[min((end - 1) // block_size, last)]
+                     for end in range(new_block_size, n + new_block_size, new_block_size))
+        out.append(Request(r.request_id, r.arrival_ms, n, r.output_length, hash_ids=keys,
+                           session=r.session, tenant=r.tenant, kind=r.kind))
+    return out
 
 
 def reuse_upper_bound(records: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> float:
