@@ -97,7 +97,7 @@ class HybridPrefixCache:
         self.costs = costs
         self.checkpoint_pages = 0 if policy.free_states else -(-costs.checkpoint_bytes // pool.page_bytes)
         self.tree = RadixTree(pool, block_size, partial_blocks=partial_blocks, allocs_per_node=allocs_per_node,
-                              on_evict=self._on_evict, reclaim=self._reclaim)
+                              on_evict=self._on_evict, reclaim=self.reclaim)
         self.tree.priority_of = lambda node: policy.kv_priority(self, node.last_access, node.end,
                                                                 node.payload is not None)
         self.tree.now = lambda: policy.now(self)
@@ -195,7 +195,9 @@ class HybridPrefixCache:
         if parent.payload is not None and parent.refcount == 0 and parent.payload.serial == -1:
             self._push_checkpoint(parent)  # it may have become evictable (one child left)
 
-    def _reclaim(self, n_pages: int) -> bool:
+    def reclaim(self, n_pages: int) -> bool:
+        """Evict until ``n_pages`` pool pages are free: each time, the lower-ranked of the next
+        KV leaf (with its checkpoint) and the next checkpoint alone; False if all is pinned."""
         tree, pool = self.tree, self.pool
         peek_leaf, peek_checkpoint, evict = tree.peek_evictable, self._peek_checkpoint, tree._evict
         while pool.n_free + tree._spare_pages < n_pages:
@@ -270,7 +272,7 @@ class HybridPrefixCache:
     def make_room(self, n_pages: int) -> bool:
         """Evict unpinned blocks and checkpoints until ``n_pages`` pool pages are free (a request's
         own memory comes out of the same pool); False if everything left is pinned."""
-        return self._reclaim(check_int("n_pages", n_pages, 0))
+        return self.reclaim(check_int("n_pages", n_pages, 0))
 
     def finish(self, path) -> None:
         """Unpin a request's path; its checkpoints become evictable again."""

@@ -183,7 +183,7 @@ class RunPrefixCache:
 
         Returns True if the run still has blocks: its new last block is then an
         unpinned leaf, which the caller must queue (``_push_leaf``) before anything
-        else enters the leaf queue -- :meth:`_reclaim` may first trim it further.
+        else enters the leaf queue -- :meth:`reclaim` may first trim it further.
         """
         hi = run.hi
         ck = run.checkpoints.get(hi)
@@ -208,7 +208,7 @@ class RunPrefixCache:
             self._push_leaf(parent)
         return False
 
-    def _reclaim(self, n_pages: int) -> bool:
+    def reclaim(self, n_pages: int) -> bool:
         """Evict until ``n_pages`` are free, in exactly the block tree's order.
 
         A leaf run whose tail was just evicted stays *pending* instead of going back
@@ -259,7 +259,7 @@ class RunPrefixCache:
         A block goes this way when neither it nor the block before it holds a
         checkpoint and the run keeps a block: then no checkpoint is dropped or queued,
         the next queued leaf (``rival``) and checkpoint (``ck``) stay the same, and the
-        run stays first while its new rank is below both (as :meth:`_reclaim` decides).
+        run stays first while its new rank is below both (as :meth:`reclaim` decides).
         Returns True when the next block needs the general path (:meth:`_evict_block`),
         False when enough pages are free or the run is no longer first.
         """
@@ -283,7 +283,7 @@ class RunPrefixCache:
         if count <= 0:
             return 0
         if self.pool.n_free < n_pages * count:
-            self._reclaim(n_pages * count)
+            self.reclaim(n_pages * count)
         got = min(count, self.pool.n_free // n_pages)
         self.pool.n_free -= got * n_pages
         return got

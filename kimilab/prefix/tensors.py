@@ -94,7 +94,7 @@ class ModelPrefixCache:
         self.pool.reclaim = self.cache.make_room  # a running request's pages come before cached prefix
         self._owners = 0
 
-    def _shared(self, path, usable: int, n_matched: int) -> list[bool]:
+    def shared_blocks(self, path, usable: int, n_matched: int) -> list[bool]:
         """Which of a request's blocks it shares with the tree (see the module docstring)."""
         return [(node.n_tokens == self.block_size and node.end <= usable) or j >= n_matched
                 for j, node in enumerate(path)]
@@ -142,7 +142,7 @@ class ModelPrefixCache:
         try:
             outcome, path, usable_node, added = cache.begin(tokens=tokens)
             try:
-                shared = self._shared(path, outcome.usable_hit, outcome.matched_blocks)
+                shared = self.shared_blocks(path, outcome.usable_hit, outcome.matched_blocks)
                 blocks = self._blocks(path, shared, outcome.usable_hit, owner)
                 own = [a for layer in blocks.values() for a, keep in zip(layer, shared) if not keep]
                 state = None
