@@ -78,6 +78,15 @@ def test_the_real_trace_replays_identically(data_dir, choice, gb):
     assert results[0].as_dict() | {"wall_seconds": 0} == results[1].as_dict() | {"wall_seconds": 0}
 
 
+@given(st.floats(0, 1e6), st.integers(1, 10**6), st.integers(1, 10**6))
+def test_built_in_policies_rank_leaves_without_checkpoints_by_last_use(t, end, blocks):
+    """RunPrefixCache evicts a run's tail in one step only for policies that promise this."""
+    cache = RunPrefixCache(CFG, make_policy("dual"), block_size=BS, capacity_tokens=blocks * BS)
+    for name in POLICIES:
+        policy = make_policy(name)
+        assert policy.lru_leaves and policy.kv_priority(cache, t, end, False) == t
+
+
 def test_bad_arguments_name_what_is_expected():
     with pytest.raises(ValueError, match="capacity_tokens"):
         RunPrefixCache(CFG, make_policy("dual"), block_size=BS, capacity_tokens=BS - 1)

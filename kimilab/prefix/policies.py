@@ -62,6 +62,10 @@ class Policy:
     name = "policy"
     free_states = False  # True: states cost nothing and exist everywhere (pure attention)
     protect_branch_points = False  # True: a checkpoint on a node with >= 2 children is kept
+    # True: a KV leaf without a checkpoint ranks by its last use alone, whatever its depth
+    # (kv_priority(cache, t, end, False) == t). RunPrefixCache then evicts a run's tail in
+    # one step; a policy whose leaf rank depends on depth must set it False.
+    lru_leaves = True
 
     def positions(self, p: Placement) -> list[int]:
         """Indices into ``p.path`` whose end should get a checkpoint."""

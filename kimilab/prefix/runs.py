@@ -264,19 +264,38 @@ class RunPrefixCache:
         False when enough pages are free or the run is no longer first.
         """
         pool, policy, block, cks = self.pool, self.policy, self.block_size, run.checkpoints
-        while True:
-            hi = run.hi
-            if hi == run.lo or hi in cks or hi - 1 in cks:
-                return True
-            run.keys.pop()
-            run.hi = hi - 1
-            self.n_blocks -= 1
-            self.n_evicted += 1
-            pool.n_free += 1
-            run.priority = rank = policy.kv_priority(self, run.last_access, (hi - 1) * block, False)
-            if (pool.n_free >= n_pages or (rival is not None and rank >= rival.priority)
-                    or (ck is not None and rank > ck.priority)):
-                return False
+        if not policy.lru_leaves:  # the rank may change with every block: one at a time
+            while True:
+                hi = run.hi
+                if hi == run.lo or hi in cks or hi - 1 in cks:
+                    return True
+                del run.keys[-1]
+                run.hi = hi - 1
+                self.n_blocks -= 1
+                self.n_evicted += 1
+                pool.n_free += 1
+                run.priority = rank = policy.kv_priority(self, run.last_access, (hi - 1) * block, False)
+                if (pool.n_free >= n_pages or (rival is not None and rank >= rival.priority)
+                        or (ck is not None and rank > ck.priority)):
+                    return False
+        # A leaf without a checkpoint ranks by its last use alone: the same rank after every
+        # block, so the whole stretch down to the next checkpoint goes in one step.
+        if run.hi in cks:
+            return True
+        below = max([d for d in cks if d < run.hi], default=0)
+        room = run.hi - max(run.lo + 1, below + 2) + 1  # blocks that may go this way
+        if room <= 0:
+            return True
+        rank = run.last_access
+        stuck = (rival is not None and rank >= rival.priority) or (ck is not None and rank > ck.priority)
+        k = 1 if stuck else min(room, n_pages - pool.n_free)
+        del run.keys[-k:]
+        run.hi -= k
+        self.n_blocks -= k
+        self.n_evicted += k
+        pool.n_free += k
+        run.priority = rank
+        return k == room and not stuck and pool.n_free < n_pages
 
     def _allocate(self, n_pages: int, count: int) -> int:
         """How many of ``count`` allocations of ``n_pages`` pages fit, reclaiming once for all."""
