@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b
-from kimilab.prefix import POLICIES, HybridPrefixCache, RunPrefixCache, make_policy
+from kimilab.prefix import POLICIES, Ends, HybridPrefixCache, RunPrefixCache, make_policy
 from kimilab.sim import simulate
 from kimilab.traffic import MOONCAKE_CONVERSATION, Request, load_trace
 
@@ -39,10 +39,22 @@ def conversations(draw):
     return turns
 
 
-POLICY_CHOICES = st.sampled_from(sorted(POLICIES) + ["align-2", "dual-50", "dual-interval"])
+POLICY_CHOICES = st.sampled_from(sorted(POLICIES) + ["align-2", "dual-50", "dual-interval", "deep-first"])
+
+
+class DeepFirst(Ends):
+    """A leaf's rank grows with its depth even without a checkpoint: no one-step tail eviction."""
+
+    name = "deep-first"
+    lru_leaves = False
+
+    def kv_priority(self, cache, last_access, end, has_checkpoint):
+        return last_access - end * 1e-7
 
 
 def _policy(choice):
+    if choice == "deep-first":
+        return DeepFirst()
     options = {"align-2": ("align", {"interval": 2 * BS}), "dual-50": ("dual", {"alpha": 50.0}),
                "dual-interval": ("dual", {"interval": 3 * BS, "alpha": 1.0})}
     name, kwargs = options.get(choice, (choice, {}))

@@ -263,21 +263,9 @@ class RunPrefixCache:
         Returns True when the next block needs the general path (:meth:`_evict_block`),
         False when enough pages are free or the run is no longer first.
         """
-        pool, policy, block, cks = self.pool, self.policy, self.block_size, run.checkpoints
-        if not policy.lru_leaves:  # the rank may change with every block: one at a time
-            while True:
-                hi = run.hi
-                if hi == run.lo or hi in cks or hi - 1 in cks:
-                    return True
-                del run.keys[-1]
-                run.hi = hi - 1
-                self.n_blocks -= 1
-                self.n_evicted += 1
-                pool.n_free += 1
-                run.priority = rank = policy.kv_priority(self, run.last_access, (hi - 1) * block, False)
-                if (pool.n_free >= n_pages or (rival is not None and rank >= rival.priority)
-                        or (ck is not None and rank > ck.priority)):
-                    return False
+        pool, policy, cks = self.pool, self.policy, run.checkpoints
+        if not policy.lru_leaves:  # the rank may change with every block: the general path, block by block
+            return True
         # A leaf without a checkpoint ranks by its last use alone: the same rank after every
         # block, so the whole stretch down to the next checkpoint goes in one step.
         if run.hi in cks:
