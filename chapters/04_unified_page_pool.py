@@ -259,10 +259,17 @@ plt.show()
 #
 # - **unified** (`UnifiedPages`, this chapter): one pool of small pages (one 16-token KV
 #   block of one layer); a state spans as many pages as it needs, scattered anywhere.
-# - **vLLM-style padded** (`VllmPaddedPages`): vLLM's hybrid allocator puts one layer's
-#   states in one page and makes all pages equal, so the attention block grows (in
-#   multiples of 16 tokens) until its page is at least the state page, and the state
-#   page is padded up to it.
+# - **vLLM-style padded** (`VllmPaddedPages`): vLLM keeps one pool of equal pages
+#   ([vllm](references.md#vllm)); the layout is the one `costs.vllm_hybrid_pages` derives
+#   (chapter 3), in two steps. *Per layer*, the attention block grows in multiples of 16
+#   tokens until one MLA layer's page holds one KDA layer's state + conv state, and the
+#   state page is padded up to it (`HybridAttentionMambaModelConfig.verify_and_update_config`
+#   in `vllm/model_executor/models/config.py`). *Per group*, layers are grouped by type
+#   into groups of one size, the last group of a type padded with empty layer slots, and
+#   a block id names one page in every layer of its group
+#   (`_get_kv_cache_groups_uniform_page_size` in `vllm/v1/core/kv_cache_utils.py`). So a
+#   KV block costs a page in each of the 7 MLA layers, and a request's states cost one
+#   block in each KDA group, padded slot included.
 # - **Jenga-style LCM** (`JengaPages`): large pages of the least common multiple of the
 #   KV page and the state page, each large page carved into small pages of one kind.
 # - **split pools** (`SplitPools`, SGLang-style): a KV pool plus a separate state pool with
@@ -276,6 +283,34 @@ for name, s in shapes.items():
     print(name)
     for key, layout in layouts.items():
         print("  " + layout.describe(s))
+
+# %% [markdown]
+# vLLM's layout for the 48B model, step by step (all from `VllmPaddedPages().pages`, which
+# is `costs.vllm_hybrid_pages`):
+
+# %%
+vp = layouts["vllm-padded"].pages(s48)
+print(f"per layer: {vp.block_tokens:,}-token blocks (a multiple of {vp.align_tokens}), page {vp.page_bytes:,} B; "
+      f"a {vp.state_bytes:,} B state page padded by {vp.state_padding_bytes:,} B")
+print(f"groups of {vp.group_size}: {vp.attn_groups} MLA group, {vp.kda_groups} KDA groups for {vp.n_kda_layers} "
+      f"KDA layers ({vp.kda_padded_slots} padded slot); one block id = {vp.group_size} pages = {size(vp.block_bytes)}")
+print(f"a request's states: {vp.checkpoint_blocks} blocks = {vp.checkpoint_blocks * vp.group_size} pages = "
+      f"{size(vp.checkpoint_page_bytes)} for {size(vp.checkpoint_bytes)} of states: "
+      f"{size(vp.checkpoint_padding_bytes)} padding, {size(vp.kda_padded_slots * vp.page_bytes)} of it the padded slot")
+print(f"without layer groups it would be {vp.n_kda_layers} pages and "
+      f"{size(vp.n_kda_layers * vp.state_padding_bytes)} of padding")
+v64 = VllmPaddedPages(align_tokens=64).pages(s48)
+print(f"with 64-token alignment instead of {vp.align_tokens}: {v64.block_tokens:,}-token blocks "
+      f"({100 * (v64.block_tokens / vp.block_tokens - 1):.1f}% larger)")
+
+# %% [markdown]
+# For the states, the layer groups cost far more than the page size: 20 KDA layers fill
+# three groups of 7, so every request's states reserve 21 pages, and the empty 21st page
+# is 2.07 MiB of padding beside 80 KiB of per-page padding. This is the layout at the
+# vLLM commit cited in [vllm](references.md#vllm), which aligns blocks to 16 tokens.
+# Versions that serve MLA hybrids align MLA blocks to 64 tokens (vLLM PR #24486; 128 on
+# the CUTLASS MLA backend), which for this model gives 1,920-token blocks, 1.7% larger:
+# a small change beside the padding above. The chapter keeps the cited 16-token layout.
 
 # %%
 contexts = [1, 100, 1000, 32768]
@@ -292,8 +327,9 @@ for name, s in shapes.items():
 # That is *per-request* internal waste: bytes reserved minus bytes used (page rounding,
 # the unfilled tail of the last KV block, state padding). At 48B scale vLLM's padded
 # layout needs 1,888-token attention blocks to match a 2.07 MiB state page, so a short
-# chat reserves a whole 1,888-token block on every MLA layer: a 100-token request pads
-# 13.8 MiB, a quarter of what it reserves. The unified pool and Jenga waste well under 1%
+# chat reserves a whole 1,888-token block on every MLA layer, and its states take 21
+# pages for 20 layers: a 100-token request pads 15.9 MiB, 27.4% of what it reserves, and
+# even a 32,768-token one pads 3.8%. The unified pool and Jenga waste well under 1%
 # at 48B scale. (For `tiny` the default unified page, one 16-token block = 32 KiB, is
 # larger than a 9 KiB conv state, so tiny's unified waste is high; the 4 KiB arena above
 # avoids that — exercise 4 is about page size.) Split
@@ -309,19 +345,22 @@ for key in ("vllm-padded", "unified", "split", "jenga"):  # Jenga last: it overl
     waste = np.array([layout.footprint(s48, int(n)).waste_bytes / MiB for n in ctx])
     waste[waste == 0] = np.nan  # exactly zero at block multiples: a gap in the line, not a spike
     ax.plot(ctx, waste, **plots.style_of(key), **({"ls": "--"} if key == "jenga" else {}))
+ax.axhline(vp.checkpoint_padding_bytes / MiB, color=plots.color("vllm-padded"), ls=":", lw=1,
+           label="vLLM: the states' padding alone (21 pages for 20 layers)")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_ylim(1e-3, 40)
 ax.set_xlabel("tokens held by the request")
 ax.set_ylabel("internal waste per request (MiB, log)")
 ax.set_title("Kimi-Linear-48B: padding per request by page layout")
-ax.legend()
+ax.legend(fontsize=8, loc="lower left")
 plots.save(fig, "ch04-waste-per-request")
 plt.show()
 
 # %% [markdown]
-# vLLM-style padding costs up to 14.6 MiB per request and drops to 80 KiB only when the
-# length is a multiple of 1,888 tokens; the unified pool never wastes more than 200 KiB.
+# vLLM-style padding costs up to 16.7 MiB per request and never less than 2.15 MiB (dotted):
+# at a multiple of 1,888 tokens the KV blocks are full, but the states still pad 2.15 MiB,
+# 2.07 MiB of it the padded layer slot. The unified pool never wastes more than 200 KiB.
 # Jenga (dashed) and split pools waste the same per request (the tail of the last 16-token
 # block) and nothing at block boundaries.
 #
@@ -456,7 +495,7 @@ plots.save(fig, "ch04-admission-summary")
 plt.show()
 
 # %% [markdown]
-# Padding is where vLLM-style pages lose (478.4 MiB of the 4 GiB held as padding on
+# Padding is where vLLM-style pages lose (581.0 MiB of the 4 GiB held as padding on
 # average) and where split pools do not (a few MiB); preemptions are highest where a
 # layout packs requests tightly and then runs out of KV blocks mid-decode.
 
@@ -488,9 +527,10 @@ for phase in PHASES:
 # - **Jenga-style LCM: close second** (61.5 running, 82.8%). No per-request padding, but
 #   its 18.6 MiB large pages are dedicated to one kind at a time; partly used large pages
 #   hold 286.8 MiB on average that the other kind cannot use.
-# - **vLLM-style padded: loses on short requests** (57.4 running, 77.0%): the 1,888-token
-#   blocks pad every chat by up to 14.6 MiB, 478.4 MiB of the budget on average. A 32k-token
-#   document pads by 3%, so the gap narrows on a document-only workload.
+# - **vLLM-style padded: loses on short requests** (55.8 running, 74.9%): the 1,888-token
+#   blocks and the padded state page pad every chat by up to 16.7 MiB, 581.0 MiB of the
+#   budget on average. A 32k-token document pads by 3.8%, so the gap narrows on a
+#   document-only workload.
 # - **Split pools: only as good as the ratio fits the phase.** The best fixed ratio here
 #   (state:KV = 2) reaches 53.6 running; SGLang's default 0.9 holds only 46 state slots and
 #   averages 43.1 with a 24 s mean wait. A state-heavy ratio (4.0) ties the unified pool in
@@ -619,11 +659,12 @@ p_cache.free()
 #   at 48B scale one KDA layer's state equals 1,820 tokens of one MLA layer's KV.
 # - One arena of small fixed pages with typed, reference-counted allocations holds all of
 #   it; the tiny model runs on it with bit-identical logits, and freeing returns every page.
-# - Per request, vLLM-style padding wastes up to 14.6 MiB (a quarter of a short chat);
+# - Per request, vLLM-style padding wastes up to 16.7 MiB (over a quarter of a short chat),
+#   2.15 MiB of it on the states alone because 20 KDA layers fill three groups of 7;
 #   the unified pool and Jenga waste under 1%; split pools waste nothing per request but
 #   strand memory in whichever pool is not the bottleneck.
 # - On one deterministic mixed workload at 4 GiB, the unified pool ran 63.7 requests at
-#   once on average, Jenga 61.5, vLLM-style 57.4 and the best split ratio 53.6 (SGLang's
+#   once on average, Jenga 61.5, vLLM-style 55.8 and the best split ratio 53.6 (SGLang's
 #   default ratio 43.1). Swept over budget, load and seeds with prefill charged in time,
 #   its lead over Jenga is 3.0-4.6% where memory binds, and every layout ties where it
 #   does not.
@@ -659,9 +700,10 @@ check(answer, n_pages // per_request, name="requests in an 8 GiB unified pool",
 # (`chat_rate_per_s=0`) and search again. How far apart are the two best ratios, and how
 # close does each get to the unified pool?
 #
-# **3.** vLLM rounds the attention block to a multiple of 16 tokens. Run
-# `VllmPaddedPages(align_tokens=...)` with 1, 16 and 64 and compare the padding per
-# 100-token request. Why can alignment not remove the padding?
+# **3.** The commit cited rounds the attention block to a multiple of 16 tokens; later
+# versions round MLA blocks to 64. Run `VllmPaddedPages(align_tokens=...)` with 1, 16 and
+# 64 and compare the padding per 100-token request. Why can alignment not remove the
+# padding, and which part of it does no alignment touch?
 #
 # **4.** Give the unified pool larger pages (`UnifiedPages(page_bytes=...)`, e.g. one
 # 2,174,976-byte vLLM page). Which kind of request loses, and by how much?

@@ -149,8 +149,10 @@ def test_policy_page_sizes_48b():
     s = CacheShapes.from_config(config.kimi_linear_48b)
     v = VllmPaddedPages()
     assert v.block_tokens(s) % 16 == 0
-    assert v.page_bytes(s)["main"] >= s.state_bytes + s.conv_bytes
-    assert v.page_bytes(s)["main"] - (s.state_bytes + s.conv_bytes) < 16 * s.kv_token_bytes
+    layer_page = v.pages(s).page_bytes  # one layer's page; the pool's page is a block of 7 of them
+    assert layer_page >= s.state_bytes + s.conv_bytes
+    assert layer_page - (s.state_bytes + s.conv_bytes) < 16 * s.kv_token_bytes
+    assert v.page_bytes(s)["main"] == 7 * layer_page
     j = JengaPages()
     large = j.page_bytes(s)["main"]
     assert all(large % b == 0 for b in j.small_bytes(s).values())

@@ -24,14 +24,26 @@ checkpoint measured in 512-token KV blocks of all 7 MLA layers is 10.5 blocks.
 Sizes are per rank. Under tensor parallelism vLLM divides the KDA heads (and conv
 channels) by the TP size but keeps MLA's single latent head whole, so the block shrinks
 with TP (``tensor_parallel``).
+
+The alignment is version- and backend-dependent: the commit cited aligns every backend to
+16 tokens (1,888 for Kimi-Linear-48B). Later versions (vLLM PR #24486, e.g. commit
+``1936cf3841edb9781b06c50fc4daf4bac9d3b23e`` of the same file) align MLA models to 64
+tokens (128 for the CUTLASS MLA backend), and with prefix caching round up to the state
+kernel's chunk size; for this model each of those gives 1,920-token blocks
+(``align_tokens=64``). Everything else here is unchanged by it.
+
+The page pool (:class:`kimilab.pool.VllmPaddedPages`) takes its layout from here: call
+:func:`vllm_hybrid_pages` with a :class:`~kimilab.costs.CacheShapes` (tensor parallel 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kimilab.config import ModelConfig
 from kimilab.costs._check import check_config
+from kimilab.costs.cache_bytes import CacheShapes
 from kimilab.validate import check_int
 
 __all__ = ["VllmHybridPages", "vllm_hybrid_pages"]
@@ -79,6 +91,21 @@ class VllmHybridPages:
         return self.checkpoint_blocks * self.block_bytes
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes one whole-model state really holds (every KDA layer, no padding)."""
+        return self.n_kda_layers * self.state_bytes
+
+    @property
+    def kda_padded_slots(self) -> int:
+        """Empty layer slots in the KDA groups: a page each, behind every state block id."""
+        return self.kda_groups * self.group_size - self.n_kda_layers
+
+    @property
+    def checkpoint_padding_bytes(self) -> int:
+        """Bytes one state wastes in the pool: every state page's padding plus the padded layer slots."""
+        return self.checkpoint_page_bytes - self.checkpoint_bytes
+
+    @property
     def state_to_kv_blocks(self) -> float:
         """Blocks of one checkpoint per block of ``block_tokens`` tokens of KV (all attention layers)."""
         return self.kda_groups / self.attn_groups
@@ -93,28 +120,43 @@ class VllmHybridPages:
         return self.kv_blocks(n_tokens) + self.checkpoint_blocks
 
 
-def vllm_hybrid_pages(cfg: ModelConfig, align_tokens: int = 16, tensor_parallel: int = 1) -> VllmHybridPages:
+def vllm_hybrid_pages(cfg: ModelConfig | CacheShapes, align_tokens: int = 16,
+                      tensor_parallel: int = 1) -> VllmHybridPages:
     """Derive vLLM's hybrid page layout for ``cfg`` from its per-layer bytes (see the module doc).
 
-    ``align_tokens``: the attention backend's block multiple (16 in the version cited;
-    backends that need 64 give 1,920-token blocks for Kimi-Linear-48B). ``tensor_parallel``:
-    TP size; KDA heads must divide by it. ValueError for a config without both layer kinds.
+    ``cfg``: a :class:`~kimilab.config.ModelConfig`, or the :class:`~kimilab.costs.CacheShapes`
+    read off one (whole-model bytes, so ``tensor_parallel`` must be 1). ``align_tokens``: the
+    attention backend's block multiple (16 in the version cited; MLA backends of later versions
+    need 64, which gives 1,920-token blocks for Kimi-Linear-48B). ``tensor_parallel``: TP size;
+    KDA heads must divide by it. ValueError for a model without both layer kinds.
     """
-    check_config(cfg)
     align = check_int("align_tokens", align_tokens, 1, unit="tokens")
     tp = check_int("tensor_parallel", tensor_parallel, 1)
+    if isinstance(cfg, CacheShapes):
+        if tp != 1:
+            raise ValueError(f"tensor_parallel={tp}: CacheShapes hold whole-model bytes; "
+                             "pass the ModelConfig to split them over ranks")
+        return _derive(cfg.name, cfg.kv_token_bytes, cfg.state_bytes + cfg.conv_bytes,
+                       cfg.n_attn_layers, cfg.n_kda_layers, align, tp)
+    check_config(cfg)
     n_attn, n_kda = len(cfg.attn_layers), len(cfg.kda_layers)
-    if not n_attn or not n_kda:
-        raise ValueError(f"cfg={cfg.name!r}: vLLM's hybrid layout needs both KDA and attention layers "
-                         f"(has {n_kda} KDA, {n_attn} attention)")
-    if cfg.n_heads % tp:
+    if n_kda and cfg.n_heads % tp:
         raise ValueError(f"tensor_parallel={tp}: expected a divisor of the {cfg.n_heads} KDA heads")
     kv_heads = 1 if cfg.attn_kind == "mla" else cfg.attn_kv_heads_eff  # vLLM: max(1, heads // tp) per rank
     per_head = cfg.kv_elems_per_token_layer * cfg.kv_bytes // kv_heads
     kv_token = max(1, kv_heads // tp) * per_head
     state = (cfg.kda_state_elems_layer * cfg.state_bytes + cfg.conv_state_elems_layer * cfg.conv_bytes) // tp
-    block = align * _cdiv(state, align * kv_token)
-    lo, hi = min(n_attn, n_kda), max(n_attn, n_kda)
+    return _derive(cfg.name, kv_token, state, n_attn, n_kda, align, tp)
+
+
+@lru_cache(maxsize=256)
+def _derive(name: str, kv_token: int, state: int, n_attn: int, n_kda: int, align: int, tp: int) -> VllmHybridPages:
+    """The derivation itself, from per-rank bytes of one layer (cached: the page pool asks often)."""
+    if not n_attn or not n_kda:
+        raise ValueError(f"cfg={name!r}: vLLM's hybrid layout needs both KDA and attention layers "
+                         f"(has {n_kda} KDA, {n_attn} attention)")
+    block = align * _cdiv(state, align * kv_token)  # page equality, per layer
+    lo, hi = min(n_attn, n_kda), max(n_attn, n_kda)  # layer groups of one size
     group = hi if hi < 1.5 * lo else lo
     attn_groups, kda_groups = _cdiv(n_attn, group), _cdiv(n_kda, group)
     padded = (attn_groups + kda_groups) * group - n_attn - n_kda

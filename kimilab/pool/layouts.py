@@ -4,8 +4,9 @@ A *layout* (not to be confused with a prefix cache's checkpoint *policy*) names
 the pools it needs, their page sizes, and the pieces a request takes:
 
 * :class:`UnifiedPages`   one pool of small pages; every object takes ceil(bytes / page);
-* :class:`VllmPaddedPages` vLLM's hybrid layout: one page size, attention blocks grown
-  and state pages padded until they match;
+* :class:`VllmPaddedPages` vLLM's hybrid layout (derived by :func:`kimilab.costs.vllm_hybrid_pages`):
+  one page size, attention blocks grown and state pages padded until they match, layers
+  in equal-size groups whose block ids cost a page in every layer of the group;
 * :class:`JengaPages`     Jenga's LCM large pages carved into per-kind small pages;
 * :class:`SplitPools`     SGLang's separate KV and state pools.
 
@@ -18,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from kimilab.config import CACHE_KINDS
-from kimilab.costs import CacheShapes
+from kimilab.costs import CacheShapes, VllmHybridPages, vllm_hybrid_pages
 from kimilab.pool.jenga import LcmPagePool
 from kimilab.pool.pages import PagePool
 from kimilab.validate import check_int
@@ -152,31 +153,41 @@ class UnifiedPages(PageLayout):
 
 @dataclass(frozen=True)
 class VllmPaddedPages(PageLayout):
-    """vLLM's hybrid layout: one page size for everything.
+    """vLLM's hybrid layout, as :func:`kimilab.costs.vllm_hybrid_pages` derives it.
 
-    A KDA layer's states (recurrent + conv) live in ONE page per layer, so the
-    attention block grows to ``align_tokens * ceil(state_page / (align_tokens *
-    kv_token_bytes))`` tokens to match, and the state page is padded up to the
-    attention page. Short requests reserve a whole (large) block per layer.
+    Every layer's page has one size: the attention block grows (in multiples of
+    ``align_tokens``) until one layer's page holds one KDA layer's states, which are
+    padded up to it. Layers are grouped by type into groups of one size (the last KDA
+    group padded with empty layer slots), and a block id names one page in every layer
+    slot of its group. So this pool's page is a *block*: ``group_size`` layer pages. KV
+    takes one block per ``block_tokens`` tokens in each attention group; a request's
+    states take one block in each KDA group, padded slots included.
     """
 
     align_tokens: int = 16
     key = "vllm-padded"
 
+    def pages(self, shapes: CacheShapes) -> VllmHybridPages:
+        """The derived layout (block size, layer groups, padding) for these shapes."""
+        return vllm_hybrid_pages(shapes, self.align_tokens)
+
     def block_tokens(self, shapes):
-        state_page = shapes.state_bytes + shapes.conv_bytes
-        per_unit = self.align_tokens * shapes.kv_token_bytes
-        return self.align_tokens * max(1, _ceil_div(state_page, per_unit))
+        return self.pages(shapes).block_tokens
 
     def page_bytes(self, shapes):
-        return {"main": self.block_tokens(shapes) * shapes.kv_token_bytes}
+        return {"main": self.pages(shapes).block_bytes}
 
     def kv_block_pages(self, shapes):
-        return shapes.n_attn_layers
+        return self.pages(shapes).attn_groups
 
     def pieces(self, shapes):
-        n = shapes.n_kda_layers
-        return [("main", "kda_state", n, n * (shapes.state_bytes + shapes.conv_bytes))] if n else []
+        return [("main", "kda_state", self.pages(shapes).checkpoint_blocks, shapes.fixed_bytes)]
+
+    def describe(self, shapes):
+        p = self.pages(shapes)
+        return (f"{self.key}: block id = {p.group_size} layer pages of {p.page_bytes} B = {p.block_bytes} B; "
+                f"KV block {p.block_tokens} tokens; {p.attn_groups} attention + {p.kda_groups} KDA group(s), "
+                f"{p.padded_layers} padded layer slot(s); a request's states = {p.checkpoint_blocks} blocks")
 
 
 @dataclass(frozen=True)
