@@ -23,7 +23,7 @@ LAYERS = {
     "model": 4,
     "pool": 5,
     "prefix": 6,
-    "sim": 7,
+    "sim": 7, "spec": 7,
     "book": 8,
     "__main__": 9,
 }
