@@ -17,8 +17,10 @@
 # **What you'll build.** A prefix cache for a hybrid model that keeps two kinds of
 # memory in one page pool: KV pages at *fine* granularity (one 512-token block per
 # page, as in chapter 5) and KDA state *checkpoints* at *coarse* granularity, only
-# where a policy admits them. Four policies, each a small object: `kv-only`,
-# `every-block`, `align` and `dual`.
+# where a policy admits them. Six policies, each a small object: `kv-only` (the
+# attention bound), `every-block` and `align` (vLLM's two modes), `ends` (the simplest
+# thing that works), `ends+branch` and `dual` (Marconi's). And a replay fast enough to
+# sweep them over a whole hour of Kimi's real traffic.
 #
 # **What you'll learn.**
 # - The *usable hit*: the deepest position where both the KV and a state checkpoint
@@ -26,9 +28,10 @@
 # - Why the trade-off is memory: at Kimi-Linear-48B scale one checkpoint weighs as
 #   much as ten KV pages of 512 tokens, so every state you keep evicts the KV of about
 #   5,384 tokens.
-# - Which policy wins where, measured on the same traces at the same memory: usable
-#   hit rate vs capacity, vs checkpoint interval, the KV/state memory split, and the
-#   prefill FLOPs saved.
+# - Which policy wins where, measured on Moonshot's real conversation trace at the
+#   same memory from 10 to 160 GB: usable hit rate, and the prefill time it saves per
+#   request; what branch points and the FLOP-aware weight `alpha` add over `ends`; what
+#   vLLM's 1,888-token blocks cost on real prompts.
 # - That resuming from a checkpoint is *exact*: the same logits and final cache as a
 #   cold prefill, on the tiny model.
 #
@@ -48,12 +51,12 @@ from kimilab.config import kimi_linear_48b, tiny
 from kimilab.exercises import check
 from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
-from kimilab.sim import simulate
+from kimilab.sim import Replay, replay_many, simulate
 
 plots.use_style()
 CFG = kimi_linear_48b
 BLOCK = 512
-POLICIES = ["kv-only", "every-block", "align", "dual"]
+POLICIES = ["kv-only", "every-block", "align", "ends", "ends+branch", "dual"]
 
 # %% [markdown]
 # ## What a checkpoint costs
@@ -109,10 +112,10 @@ show_source(prefix.HybridPrefixCache.begin)
 # cheapest of the two, by the policy's rank, goes first:
 
 # %%
-show_source(prefix.HybridPrefixCache._reclaim)
+show_source(prefix.HybridPrefixCache.reclaim)
 
 # %% [markdown]
-# ## Four policies
+# ## Six policies
 #
 # Each policy answers two questions: where to admit checkpoints, and how to rank what
 # to evict.
@@ -125,12 +128,20 @@ show_source(prefix.HybridPrefixCache._reclaim)
 #   block costs 12 pages.
 # - **`align`**: checkpoints at the end of each prefill chunk (every `interval` tokens
 #   from where the prefill started) and at the request end (vLLM's `align` mode;
-#   SGLang's periodic tracking). Default interval 2,048 tokens.
-# - **`dual`**: checkpoints at request ends and at *branch points* discovered as
-#   traffic arrives — a node where a new prompt leaves an already cached path — as
-#   Marconi admits them. Optionally also coarse checkpoints every `interval` tokens.
+#   SGLang's periodic tracking). Default `interval=2048` tokens.
+# - **`ends`**: a checkpoint where each request's last whole block ends, and nothing
+#   else; plain LRU. The simplest thing that works: the next turn of a conversation
+#   re-sends the previous prompt and its reply, so it resumes exactly there.
+# - **`ends+branch`**: `ends` plus *branch points* discovered as traffic arrives — a
+#   node where a new prompt leaves an already cached path — as Marconi admits them.
+# - **`dual`**: `ends+branch` with Marconi's FLOP-aware eviction (below); optionally
+#   also coarse checkpoints every `interval` tokens.
 #
-# The first three rank what to evict by last use (LRU). `dual` ranks a unit by last
+# Each is the one before plus one idea, so the differences measure the ideas:
+# `ends+branch` − `ends` is what branch points add, `dual` − `ends+branch` what `alpha`
+# adds (`dual` with `alpha = 0` *is* `ends+branch`; a test holds them equal).
+#
+# All but `dual` rank what to evict by last use (LRU). `dual` ranks a unit by last
 # use plus `alpha` times the FLOPs its checkpoint saves per byte, with time counted in
 # cache *turnovers* (pages admitted / pool pages) so that the weight means the same at
 # any traffic rate and memory size; and it never evicts the checkpoint of a live
@@ -144,9 +155,9 @@ show_source(prefix.Dual.positions)
 # blocks and then diverge; C shares the same two blocks. Under `dual`, A leaves a
 # state at its end only. B's KV hit is 8 tokens, but no state exists at 8, so B
 # recomputes from 0 — and on the way leaves a checkpoint at 8, because 8 is now a
-# branch point. C resumes there. `align` with a long chunk stores request ends only and
-# never learns about the branch; `every-block` has it too, at the price of seven
-# checkpoints against `dual`'s four.
+# branch point. C resumes there. `ends` (and `align` with a long chunk, which stores
+# request ends only) never learns about the branch; `every-block` has it too, at the
+# price of seven checkpoints against `dual`'s four.
 
 # %%
 def toy_records(paths):
@@ -159,7 +170,7 @@ def toy_records(paths):
 
 
 toy = toy_records([[0, 0, 1, 1], [0, 0, 2], [0, 0, 3, 3]])
-for name, kwargs in [("every-block", {}), ("align", {"interval": 64}), ("dual", {})]:
+for name, kwargs in [("every-block", {}), ("align", {"interval": 64}), ("ends", {}), ("dual", {})]:
     cache = prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy(name, **kwargs),
                                                 block_size=4, capacity_tokens=200_000)
     rows = [cache.serve(r.hash_ids, r.input_length) for r in toy]
@@ -227,7 +238,7 @@ print(f"logits, KV, KDA and conv states equal a cold prefill: max |diff| < 1e-10
 # block it keeps writing into, go back to the pool. Watch the pool's page counts:
 
 # %%
-show_source(prefix.ModelPrefixCache._shared)
+show_source(prefix.ModelPrefixCache.shared_blocks)
 
 # %%
 store = prefix.ModelPrefixCache(model, "dual", block_size=16, capacity_tokens=16 * 64)
@@ -269,419 +280,330 @@ pages("request 2 finished and freed")
 # and checkpoints (`PagePool.reclaim`, wired to `HybridPrefixCache.make_room`).
 
 # %% [markdown]
-# ## The traces and the budget
+# ## Replaying an hour of traffic: runs of blocks
 #
-# Two traces from `data/`, both at Kimi-Linear-48B byte sizes:
+# The tree above makes one node per 512-token block. Replaying Moonshot's conversation
+# trace (chapter 5; 12,031 requests, one hour of Kimi's traffic,
+# [mooncake](references.md#mooncake)) through it creates and evicts one node per new
+# block, and that Python bookkeeping — not the cache's decisions — is what a replay
+# costs. Most of those blocks sit in chains that nobody branches from: the new suffix
+# of one request, used once. `RunPrefixCache` keeps such a chain as **one** node, a
+# *run* of blocks stamped and pinned together. It splits a run only where a later
+# prompt stops or leaves it, and when it evicts, it trims a run's tail with the same
+# ranks and the same tie-breaking as the block tree — in one step down to the next
+# checkpoint when the rank cannot change on the way.
 #
-# - **conversation**: the generated Mooncake-conversation-like trace of chapter 5 (the
-#   real trace comes later in this chapter). Replaying all of its requests through four
-#   policies at five capacities would take about a minute
-#   of CPU, so this chapter keeps **every 32nd conversation** (those whose block-1 id
-#   is a multiple of 32; block 1 holds the end of the shared system prompt and the
-#   start of the conversation's first message, so it names one conversation, and whole
-#   conversations are kept with all their turns) over the full hour, and divides
-#   the capacities by 32 to keep roughly the same memory pressure per conversation.
-#   `bench/bench_prefix.py` replays the full trace.
-# - **agent**: agent/tool loops (long shared tool prompt, sub-tasks branching from the
-#   same point), in full.
-#
-# The budget is memory, counted in tokens of 48B KV (8,064 B each), shared by KV pages
-# and checkpoints. `kv-only` pays nothing for states.
+# It is a twin, not a new design: the same policy objects, the same clock, the same
+# checkpoint heap. `tests/test_runs.py` holds every request's outcome (KV hit, usable
+# hit, checkpoints added and where) equal to the block tree's, on random branching
+# traffic and on the real trace. Its scope is what a replay needs: whole blocks keyed
+# by hash ids, accounting only (no tensors), one request at a time.
 
 # %%
-conversation_all = wl.load_trace("../data/conversation_like.jsonl", BLOCK)
-conversation = [r for r in conversation_all if len(r.hash_ids) > 1 and r.hash_ids[1] % 32 == 0]
-agent = wl.load_trace("../data/agent.jsonl", BLOCK)
-traces = {"conversation": conversation, "agent": agent}
-for key, records in traces.items():
-    print(f"{key:<13} {len(records):5,d} requests  {sum(r.input_length for r in records):>11,d} prompt "
-          f"tokens  infinite-cache reuse {wl.reuse_upper_bound(records, BLOCK):.3f}")
+real = wl.load_trace(f"../data/{wl.MOONCAKE_CONVERSATION}", BLOCK)
+kv_per_gb = 1e9 / kv_per_token  # tokens of 48B KV per GB
+
+
+def replay(records, policy, gb, *, block=BLOCK, fast=True, keep=False):
+    """One replay of a trace through a prefix cache of ``gb`` GB of 48B memory (KV + checkpoints)."""
+    policy = prefix.make_policy(policy) if isinstance(policy, str) else policy
+    capacity = int(gb * kv_per_gb)
+    if fast:
+        cache = prefix.RunPrefixCache(CFG, policy, block_size=block, capacity_tokens=capacity)
+    else:
+        cache = prefix.HybridPrefixCache.for_budget(CFG, policy, block_size=block, capacity_tokens=capacity)
+    return simulate(records, cache=cache, keep_per_request=keep)
+
+
+first = real[:3000]
+twins = {fast: replay(first, "dual", 40, fast=fast, keep=True) for fast in (False, True)}
+print(f"first {len(first):,} requests of the real trace, dual at 40 GB: every outcome equal: "
+      f"{twins[False].per_request == twins[True].per_request}; usable hit rate "
+      f"{twins[True].usable_hit_rate:.4f} both ways")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"wall clock, same run: block tree {twins[False].wall_seconds:.2f} s, runs {twins[True].wall_seconds:.2f} s "
+      f"({twins[False].wall_seconds / twins[True].wall_seconds:.1f}x)")
 
 # %% [markdown]
-# ## Usable hit rate vs capacity
+# ## The real trace, swept over memory
 #
-# Each policy replays each trace at five capacities. The table prints the token-weighted
-# usable hit rate (prompt tokens served from cache / all prompt tokens) and, for
-# comparison, the KV hit rate of the same run.
+# Now the whole hour, by its own timestamps, at five memory sizes from 10 to 160 GB of
+# 48B KV memory (8,064 B per token), shared by KV pages and checkpoints. Even the
+# smallest holds a couple of hundred checkpoints, so no policy is judged on a
+# degenerate pool. The four policies that matter most run at every size; `every-block`
+# and `align`, which spend memory badly, at three (they are the slowest to replay). Each replay also turns hits into
+# time: the prefill seconds a request's usable hit saves (its TTFT, cold prefill minus
+# prefill from the hit) on the roofline of chapter 3 — 8 H800-class devices,
+# tensor-parallel attention, half of peak FLOP/s for prefill (`costs.PrefillTimer`).
+# All the replays of the rest of this chapter are independent, so one call,
+# `sim.replay_many`, runs them together on the machine's cores (each a `RunPrefixCache`
+# replay; which process ran which changes no number).
 
 # %%
-capacities = {
-    "conversation": [2**15, 2**16, 2**17, 2**18, 2**19],  # x32 for the full trace
-    "agent": [2**15, 2**16, 2**17, 2**18, 2**19],
-}
-def replay(records, policy, capacity_tokens):
-    """One run of the simulation loop through a hybrid prefix cache of this capacity (tokens of 48B KV)."""
-    policy = prefix.make_policy(policy) if isinstance(policy, str) else policy
-    cache = prefix.HybridPrefixCache.for_budget(CFG, policy, block_size=BLOCK, capacity_tokens=capacity_tokens)
-    return simulate(records, cache=cache)
+GB = [10, 20, 40, 80, 160]
+THREE = [10, 40, 160]
+MAIN = ["kv-only", "ends", "ends+branch", "dual"]
+ALPHAS = [0.0, 0.001, 0.005, 0.02, 0.1]
+AGENT_GB = [1, 2, 4]
+v = costs.vllm_hybrid_pages(CFG)
+REAL, AGENT = f"../data/{wl.MOONCAKE_CONVERSATION}", "../data/agent.jsonl"
+jobs = {(name, gb): Replay(REAL, name, gb) for name in MAIN for gb in GB}
+jobs |= {(name, gb): Replay(REAL, name, gb) for name in ("every-block", "align") for gb in THREE}
+jobs |= {("vllm-all", gb): Replay(REAL, "every-block", gb, block_size=v.block_tokens) for gb in THREE}
+jobs |= {("vllm-attention", gb): Replay(REAL, "kv-only", gb, block_size=v.block_tokens) for gb in THREE}
+jobs |= {("alpha", a, gb): Replay(REAL, "dual", gb, options=(("alpha", a),))
+         for a in ALPHAS if a not in (0.0, 0.005) for gb in (10, 160)}
+jobs |= {("agent", name, gb): Replay(AGENT, name, gb) for name in MAIN for gb in AGENT_GB}
+runs = replay_many(jobs)  # independent replays, spread over the machine's cores (up to 2)
+print(f"{len(jobs)} replays; {sum(1 for j in jobs.values() if j.trace == REAL)} of the whole real hour")
+print(f"{'GB':>4} {'checkpoints fit':>15}" + "".join(f"{name:>13}" for name in POLICIES))
+for gb in GB:
+    cells = "".join(f"{runs[n, gb].usable_hit_rate:13.4f}" if (n, gb) in runs else f"{'':>13}" for n in POLICIES)
+    print(f"{gb:4d} {int(gb * 1e9 // ckpt_bytes):15,d}{cells}")
+print(f"mean cold prefill: {1e3 * runs['kv-only', 10].prefill_seconds_cold / len(real):.1f} ms per request")
 
-
-results = {}
-for key, records in traces.items():
-    for cap in capacities[key]:
-        for name in POLICIES:
-            results[key, name, cap] = replay(records, name, cap)
-for key in traces:
-    gb = [cap * kv_per_token / 1e9 for cap in capacities[key]]
-    print(f"{key}: usable hit rate (KV hit rate) at capacity")
-    print(f"  {'GB of 48B memory':<13}" + "".join(f"{g:>15.2f}" for g in gb))
-    for name in POLICIES:
-        cells = "".join(f"{results[key, name, c].usable_hit_rate:>8.3f} ({results[key, name, c].kv_hit_rate:.2f})"
-                        for c in capacities[key])
-        print(f"  {name:<13}{cells}")
+# %% [markdown]
+# vLLM pays for states differently. It does not keep 512-token blocks: it grows its
+# attention block until one MLA layer's page holds one KDA layer's state, and groups
+# layers so that a block id names a page in each of 7 layers
+# ([vllm](references.md#vllm); `costs.vllm_hybrid_pages` derives it as chapter 4 did):
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-for ax, key in zip(axes, traces):
-    gb = np.array(capacities[key]) * kv_per_token / 1e9
-    for name in POLICIES:
-        ax.plot(gb, [results[key, name, c].usable_hit_rate for c in capacities[key]], marker="o",
-                **plots.style_of(name))
-    ax.axhline(wl.reuse_upper_bound(traces[key], BLOCK), color="black", linestyle=":", linewidth=1,
-               label="infinite cache (reuse ceiling)")
+print(f"vLLM's block: {v.block_tokens:,} tokens; layer groups of {v.group_size}: {v.attn_groups} MLA group, "
+      f"{v.kda_groups} KDA groups ({v.padded_layers} padded slot)")
+print(f"one checkpoint = {v.checkpoint_blocks} blocks of {v.block_tokens:,} tokens "
+      f"(here: {ckpt_bytes / (BLOCK * kv_per_token):.1f} blocks of {BLOCK})")
+short = sum(r.input_length <= v.block_tokens for r in real)
+print(f"prompts of at most one vLLM block, which can never hit: {short:,} of {len(real):,} ({short / len(real):.0%})")
+for name in ("vllm-all", "vllm-attention"):
+    print(f"{name:<15}" + "".join(f"  {gb} GB: {runs[name, gb].usable_hit_rate:.4f}" for gb in THREE))
+
+# %% [markdown]
+# The coarse replay keys a 1,888-token block by the trace's 512-token block that holds
+# its last token, so it counts a hit only where the trace proves one
+# (`traffic.coarser_blocks`); a prompt shorter than a block never hits. The two
+# figures below are one experiment read twice: usable hit rate, and the prefill time
+# it saves.
+
+# %%
+LINES = [(n, GB if n in MAIN else THREE) for n in POLICIES] + [("vllm-all", THREE), ("vllm-attention", THREE)]
+VLLM_STYLE = {"vllm-all": dict(color=plots.color("every-block"), linestyle="--", label="vLLM all, 1,888-token blocks"),
+              "vllm-attention": dict(color=plots.color("kv-only"), linestyle="--",
+                                     label="attention bound, 1,888-token blocks")}
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.4))
+for name, sizes in LINES:
+    style = VLLM_STYLE.get(name) or plots.style_of(name)
+    ax1.plot(sizes, [runs[name, gb].usable_hit_rate for gb in sizes], marker="o", **style)
+    ax2.plot(sizes, [runs[name, gb].prefill_ms_saved_per_request for gb in sizes], marker="o", **style)
+ax1.axhline(wl.reuse_upper_bound(real, BLOCK), color="black", linestyle=":", linewidth=1,
+            label="infinite cache (reuse ceiling)")
+for ax in (ax1, ax2):
     ax.set_xscale("log", base=2)
-    ax.set_xticks(gb, [f"{g:.2f}" for g in gb])
+    ax.set_xticks(GB, [str(g) for g in GB])
     ax.minorticks_off()
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("cache memory (GB at 48B byte sizes, KV + checkpoints)")
-    ax.set_ylabel("usable hit rate (token-weighted)")
-    ax.set_title(f"{plots.label(key)}" + (" (1 in 32 conversations)" if key == "conversation" else ""))
-axes[0].legend(loc="upper left", fontsize=8)
-plots.save(fig, "ch06-usable-vs-capacity")
+    ax.set_xlabel("cache memory (GB of 48B memory: KV + checkpoints)")
+ax1.set_ylim(0, 0.4)
+ax1.set_ylabel("usable hit rate (token-weighted)")
+ax1.set_title("Real Kimi conversation trace: usable hit")
+ax2.set_ylabel("prefill saved per request (ms, roofline)")
+ax2.set_title("... and the prefill time it saves (TTFT)")
+handles, labels = ax1.get_legend_handles_labels()
+fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8)
+plots.save(fig, "ch06-real-trace-sweep")
 plt.show()
 
 # %% [markdown]
-# Takeaway: at equal memory `dual` is the hybrid policy closest to the attention bound
-# everywhere; on the conversation trace it has twice `align`'s usable hit rate at
-# 1.06 GB (0.410 vs 0.210) and meets `kv-only` at 4.23 GB (0.675 vs 0.677).
+# Takeaway: on real traffic the simplest policy, `ends`, is within a few hundredths of
+# `dual` at every size, and the vLLM modes at our block size are far below both.
 #
-# On the conversation trace the gap between the grey bound and the coloured policies
-# is the price of states. `every-block` spends most of the pool on states nobody will
-# resume from and reaches only 0.363 at 4.23 GB. `align` stores one state per 2,048
-# computed tokens: better, but still 73% of memory in states at 1.06 GB. `dual`
-# keeps a state where a future request is likely to resume — the end of each prompt
-# (the next turn re-sends it) and the points where conversations diverge — and so
-# caches two to four times as much KV as the others. The agent trace reuses more
-# (ceiling 0.917) and its tool loops mostly *extend* one path, so request-end states
-# alone cover most of it: `align` trails `dual` by at most 0.06, and everything
-# except `every-block` is within 0.02 of the bound from 2.11 GB on. The bracketed KV
-# hit rates in the table show the other half of the story: under `align` and
-# `every-block` the KV hit is often well above the usable hit — KV that was kept but
-# cannot be used, because the state at its end is gone.
-
-# %% [markdown]
-# ## The checkpoint interval
-#
-# `align` stores a state at every chunk end; its interval is the prefill chunk size.
-# `dual` can add the same coarse checkpoints (at absolute multiples of the interval)
-# on top of request ends and branch points. Sweeping the interval at one memory size
-# shows what coarse checkpoints buy and what they cost:
+# At 40 GB `every-block` serves 0.0444 of prompt tokens from cache and `ends` 0.1456:
+# one state per 512-token block starves the KV. vLLM's own 1,888-token blocks make a
+# state cheaper (3 blocks), so its `all` mode beats our `every-block` at 160 GB (0.1737
+# vs 0.0749) — but large blocks cost even an attention model: the dashed grey bound is
+# 0.3017 at 160 GB against 0.3585 with 512-token blocks, and at 10 GB vLLM `all` almost
+# never hits (0.0007), since 22% of the prompts fit in one block and cannot hit at all.
+# Read in time (right), the ranking is the same; `dual` pulls ahead of `ends` a little
+# more in milliseconds than in hits, because its eviction keeps long prefixes.
 
 # %%
-intervals = [512, 2048, 8192, 32768]
-sweep_cap = 2**17
-sweep = {("align", 2048): results["conversation", "align", sweep_cap]}  # align's default interval
-for name in ("align", "dual"):
-    for iv in intervals:
-        if (name, iv) not in sweep:
-            sweep[name, iv] = replay(conversation, prefix.make_policy(name, interval=iv), sweep_cap)
-dual_plain = results["conversation", "dual", sweep_cap]
+write_ms = 1e3 * costs.checkpoint_write_seconds(CFG)
+print(f"{'GB':>4} {'policy':<12} {'usable hit':>10} {'x kv-only':>9} {'prefill saved':>14} "
+      f"{'ckpts/request':>13} {'copying them':>13} {'evicted':>8}")
+for gb in THREE:
+    bound = runs["kv-only", gb].usable_hit_rate
+    for name in ["kv-only", "ends", "ends+branch", "dual", "align", "every-block", "vllm-all"]:
+        r = runs[name, gb]
+        per_request = r.checkpoints_admitted / r.requests
+        evicted = r.checkpoints_evicted / r.checkpoints_admitted if r.checkpoints_admitted else 0.0
+        print(f"{gb:4d} {name:<12} {r.usable_hit_rate:10.4f} {r.usable_hit_rate / bound:9.3f} "
+              f"{r.prefill_ms_saved_per_request:11.2f} ms {per_request:13.2f} {write_ms * per_request:10.4f} ms "
+              f"{evicted:8.0%}")
 
+# %% [markdown]
+# Writing checkpoints is cheap next to what they save. `ends` and `dual` write under one
+# checkpoint per request (0.88 at 10 GB); copying one in HBM costs 0.0029 ms per request
+# against 0.74–0.84 ms of prefill saved. The churn is what stands out: at 10 GB `ends`
+# evicts 99% of the checkpoints it writes before anyone resumes from them, and
+# `every-block` writes 21.84 per request.
+#
+# ## What branch points and `alpha` add
+#
+# `dual` = `ends` + branch points + `alpha`. Its default `alpha` (0.005) was tuned on
+# generated traffic; here is the sweep on the real trace at the smallest and the
+# largest memory, from `alpha = 0` (which is `ends+branch`) up:
 
-def state_share(r):
-    return r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean)
-
-
-print(f"conversation, {sweep_cap * kv_per_token / 1e9:.2f} GB: usable hit rate / checkpoint share of memory")
-print(f"{'interval':>9}" + "".join(f"{iv:>14,d}" for iv in intervals) + f"{'none':>14}")
-for name in ("align", "dual"):
-    cells = "".join(f"{sweep[name, iv].usable_hit_rate:>8.3f} / {state_share(sweep[name, iv]):.2f}"
-                    for iv in intervals)
-    tail = f"{dual_plain.usable_hit_rate:>8.3f} / {state_share(dual_plain):.2f}" if name == "dual" else f"{'':>14}"
-    print(f"{name:>9}{cells}{tail}")
+# %%
+by_alpha = {}
+for gb in (10, 160):
+    for a in ALPHAS:
+        # alpha 0 is ends+branch and 0.005 is dual's default: those replays ran already
+        same = {0.0: "ends+branch", 0.005: "dual"}
+        by_alpha[gb, a] = runs[same[a], gb] if a in same else runs["alpha", a, gb]
+for gb in (10, 160):
+    ends, bound = runs["ends", gb], runs["kv-only", gb]
+    print(f"{gb} GB  (ends {ends.usable_hit_rate:.4f} / {ends.prefill_ms_saved_per_request:.2f} ms; "
+          f"kv-only {bound.usable_hit_rate:.4f} / {bound.prefill_ms_saved_per_request:.2f} ms)")
+    for a in ALPHAS:
+        r = by_alpha[gb, a]
+        print(f"   alpha {a:<6g} usable hit {r.usable_hit_rate:.4f}  prefill saved {r.prefill_ms_saved_per_request:5.2f} ms"
+              f"  ({r.prefill_ms_saved_per_request / ends.prefill_ms_saved_per_request:.2f}x ends)")
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.0))
-for name in ("align", "dual"):
-    ax1.plot(intervals, [sweep[name, iv].usable_hit_rate for iv in intervals], marker="o",
-             **plots.style_of(name))
-    ax2.plot(intervals, [sweep[name, iv].checkpoint_bytes_mean / 1e9 for iv in intervals], marker="o",
-             **plots.style_of(name))
-ax1.axhline(dual_plain.usable_hit_rate, color=plots.color("dual"), linestyle="--", linewidth=1,
-            label="dual, no interval")
-ax1.axhline(results["conversation", "kv-only", sweep_cap].usable_hit_rate, color=plots.color("kv-only"),
-            linestyle=":", linewidth=1.5, label=plots.label("kv-only"))
-ax2.axhline(dual_plain.checkpoint_bytes_mean / 1e9, color=plots.color("dual"), linestyle="--",
-            linewidth=1, label="dual, no interval")
+x = np.arange(len(ALPHAS))
+for gb, marker in ((10, "o"), (160, "s")):
+    for ax, metric in ((ax1, "usable_hit_rate"), (ax2, "prefill_ms_saved_per_request")):
+        base = getattr(runs["ends", gb], metric)
+        ax.plot(x, [getattr(by_alpha[gb, a], metric) / base for a in ALPHAS], marker=marker,
+                color=plots.color("dual"), linestyle="-" if gb == 10 else "--", label=f"dual, {gb} GB")
+        ax.plot(x, [getattr(runs["kv-only", gb], metric) / base] * len(x), color=plots.color("kv-only"),
+                linestyle="-" if gb == 10 else "--", linewidth=1, label=f"kv-only, {gb} GB")
 for ax in (ax1, ax2):
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(intervals, [f"{iv:,d}" for iv in intervals])
-    ax.minorticks_off()
-    ax.set_xlabel("checkpoint interval (tokens)")
-ax1.set_ylim(0, 1)
-ax2.set_ylim(0, sweep_cap * kv_per_token / 1e9)
-ax1.set_ylabel("usable hit rate (token-weighted)")
-ax1.set_title("Usable hit rate vs interval")
-ax2.set_ylabel("mean checkpoint memory (GB)")
-ax2.set_title(f"Checkpoint memory (budget {sweep_cap * kv_per_token / 1e9:.2f} GB)")
-ax1.legend(fontsize=8, loc="upper left")
-ax2.legend(fontsize=8)
-plots.save(fig, "ch06-interval")
+    ax.axhline(1.0, color="black", linewidth=0.8, label="ends (= 1)")
+    ax.set_xticks(x, [f"{a:g}" for a in ALPHAS])
+    ax.set_xlabel("alpha (0 = ends+branch; 0.005 = dual's default)")
+ax1.set_ylabel("usable hit rate / ends'")
+ax2.set_ylabel("prefill time saved / ends'")
+ax1.set_title("Real trace: usable hit vs alpha")
+ax2.set_title("... and prefill time saved vs alpha")
+ax1.legend(fontsize=8)
+plots.save(fig, "ch06-alpha")
 plt.show()
 
 # %% [markdown]
-# Takeaway: on this traffic coarse checkpoints cost more than they give — usable hit
-# rate rises as the interval grows (fewer states, more KV), and `dual` with no
-# interval at all is best (0.410, 49% of memory in states).
+# Takeaway: branch points add almost nothing on chat traffic (`alpha = 0` is 1.01x
+# `ends` at 10 GB, 1.02x at 160 GB); `alpha` is the part of `dual` that pays, only when
+# memory is scarce, and its best value moves with the budget.
 #
-# At interval 512 `align` *is* `every-block` (a state at every block; a test checks
-# they agree request by request) and spends 89% of memory on states. At 32,768 tokens
-# almost no prefill runs that long past its resume point, so `align` degenerates into
-# "request ends only" and reaches 0.393. `dual` is above `align` at every interval
-# because its branch-point states and FLOP-aware eviction come on top. A periodic
-# state would pay off for traffic that resumes at arbitrary points of long prompts
-# (for example, many requests truncating the same long document at different places);
-# chat and tool loops resume at prompt ends and branch points, which `dual` already
-# covers.
-
-# %% [markdown]
+# At 10 GB, `alpha = 0.02` saves 1.74x the prefill time of `ends` and even beats
+# `kv-only` on usable hit (0.0608 vs 0.0605): `kv-only` is an upper bound only for the
+# same (LRU) eviction order, and keeping long, expensive prefixes longer is a better
+# order when little fits. At 160 GB the same weight loses (0.90x `ends`), and the
+# default 0.005 gains 1.07x. So `alpha` must be tuned per deployment — Marconi tunes
+# its weight per workload too — and a fixed default is worth about what `ends` plus
+# a few percent is.
+#
 # ## Where the memory goes
 #
-# The same budget, split between KV pages and checkpoints (time average over the
+# The same 40 GB, split between KV pages and checkpoints (time average over the
 # replay; the pool is full almost all the time):
 
 # %%
-split_cap = 2**17
-fig, ax = plt.subplots(figsize=(7, 3.8))
-names = POLICIES
-kv_gb = np.array([results["conversation", n, split_cap].kv_bytes_mean / 1e9 for n in names])
-ck_gb = np.array([results["conversation", n, split_cap].checkpoint_bytes_mean / 1e9 for n in names])
+split_gb = 40
+names = ["kv-only", "every-block", "align", "ends", "ends+branch", "dual"]
+kv_gb = np.array([runs[n, split_gb].kv_bytes_mean / 1e9 for n in names])
+ck_gb = np.array([runs[n, split_gb].checkpoint_bytes_mean / 1e9 for n in names])
+fig, ax = plt.subplots(figsize=(7.5, 3.8))
 y = np.arange(len(names))
 ax.barh(y, kv_gb, color=plots.color("kv"), label=plots.label("kv"))
 ax.barh(y, ck_gb, left=kv_gb, color=plots.color("checkpoint"), label=plots.label("checkpoint"))
 for i, n in enumerate(names):
-    r = results["conversation", n, split_cap]
-    ax.text(kv_gb[i] + ck_gb[i] + 0.03, i, f"usable hit {r.usable_hit_rate:.2f}", va="center", fontsize=8)
-ax.axvline(split_cap * kv_per_token / 1e9, color="black", linestyle=":", linewidth=1, label="budget")
+    ax.text(kv_gb[i] + ck_gb[i] + 0.5, i, f"usable hit {runs[n, split_gb].usable_hit_rate:.3f}", va="center",
+            fontsize=8)
+ax.axvline(split_gb, color="black", linestyle=":", linewidth=1, label="budget")
 ax.set_yticks(y, [plots.label(n) for n in names])
 ax.invert_yaxis()
-ax.set_xlim(0, split_cap * kv_per_token / 1e9 * 1.35)
+ax.set_xlim(0, split_gb * 1.4)
 ax.set_xlabel("mean memory in use (GB, 48B byte sizes)")
-ax.set_title(f"Memory split, conversation trace, budget {split_cap * kv_per_token / 1e9:.2f} GB")
+ax.set_title(f"Memory split on the real trace, budget {split_gb} GB")
 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
 plots.save(fig, "ch06-memory-split")
 plt.show()
 for n in names:
-    r = results["conversation", n, split_cap]
-    print(f"{n:<12} KV {r.kv_bytes_mean / 1e9:5.2f} GB  checkpoints {r.checkpoint_bytes_mean / 1e9:5.2f} GB  "
-          f"({state_share(r):.0%})  admitted {r.checkpoints_admitted:>6,d}  evicted {r.checkpoints_evicted:>6,d}")
+    r = runs[n, split_gb]
+    share = r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean)
+    print(f"{n:<12} KV {r.kv_bytes_mean / 1e9:5.1f} GB  checkpoints {r.checkpoint_bytes_mean / 1e9:5.1f} GB ({share:.0%})  "
+          f"admitted {r.checkpoints_admitted:>7,d}  evicted {r.checkpoints_evicted:>7,d}")
 
 # %% [markdown]
-# Takeaway: the policies differ less in *how much* they cache than in *what*:
-# `every-block` keeps 0.12 GB of KV and 0.92 GB of states (89%), `dual` 0.53 GB of KV
-# and 0.50 GB of states (49%), and `dual` admits 393 checkpoints where `every-block`
-# admits 4,633 — almost all of which (4,612) are evicted again before the replay
-# ends.
-
-# %% [markdown]
-# ## Prefill FLOPs saved
+# Takeaway: the policies differ in *what* they keep. At 40 GB `every-block` holds 92% of
+# its memory in checkpoints (36.6 GB) and 3.3 GB of KV; `align` 74%; `ends` 33%; and
+# `dual` 24%, because its FLOP-aware eviction drops the states of short prefixes first.
+# Almost every checkpoint written is evicted again (`ends`: 9,814 of 10,111).
 #
-# Hit rates weigh every token the same. Prefill cost does not: global attention over a
-# long cached prefix costs more per new token, and a hit skips the whole prefix.
-# `costs.prefill_flops(cfg, n_new, n_cached)` counts the analytic FLOPs, so the
-# saving of a request is `prefill_flops(n) - prefill_flops(n - usable, usable)`:
+# ## What real traces lack: agent loops
+#
+# The Mooncake trace is chat. Agents re-send a long shared tool prompt and branch
+# sub-tasks from the same point, which is exactly where branch points should pay. No
+# public Kimi agent trace exists, so this part uses the *generated* agent trace of
+# chapter 5 (`data/agent.jsonl`), in full, at smaller memories: its working set is small.
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
-for ax, key in zip(axes, traces):
-    gb = np.array(capacities[key]) * kv_per_token / 1e9
-    for name in POLICIES:
-        saved = [results[key, name, c].prefill_flops_saved / results[key, name, c].prefill_flops_cold
-                 for c in capacities[key]]
-        ax.plot(gb, saved, marker="o", **plots.style_of(name))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(gb, [f"{g:.2f}" for g in gb])
-    ax.minorticks_off()
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("cache memory (GB at 48B byte sizes, KV + checkpoints)")
-    ax.set_ylabel("fraction of prefill FLOPs saved")
-    ax.set_title(plots.label(key))
-axes[0].legend(loc="upper left", fontsize=8)
-plots.save(fig, "ch06-flops-saved")
-plt.show()
-for key in traces:
-    c = capacities[key][2]
-    cells = "  ".join(f"{n} {results[key, n, c].prefill_flops_saved / 1e15:,.0f} PFLOP "
-                      f"({results[key, n, c].prefill_flops_saved / results[key, n, c].prefill_flops_cold:.0%})"
-                      for n in POLICIES)
-    print(f"{key} at {c * kv_per_token / 1e9:.2f} GB: {cells}")
+agent = wl.load_trace(AGENT, BLOCK)
+print(f"agent trace (generated): {len(agent)} requests, {sum(r.input_length for r in agent):,} prompt tokens, "
+      f"reuse ceiling {wl.reuse_upper_bound(agent, BLOCK):.3f}")
+print(f"{'GB':>4} {'checkpoints fit':>15}" + "".join(f"{n:>13}" for n in MAIN))
+for gb in AGENT_GB:
+    print(f"{gb:4d} {int(gb * 1e9 // ckpt_bytes):15,d}" + "".join(f"{runs['agent', n, gb].usable_hit_rate:13.3f}"
+                                                               for n in MAIN))
 
 # %% [markdown]
-# Takeaway: FLOPs saved follow the usable hit rate, a little below it on the
-# conversation trace (`dual` saves 38% of prefill FLOPs at 1.06 GB where its usable hit
-# rate is 41%), because cheap short prefixes (the shared system prompt) hit most often
-# while the costly long ones are evicted first.
+# Takeaway: on tool loops that branch from a shared prompt, branch points are worth a
+# little more than on chat — 0.839 vs 0.822 for `ends` at 1 GB, 0.900 vs 0.886 at 2 GB —
+# and `alpha` adds nothing. A generated trace says what kind of traffic would make the
+# machinery pay; only a real agent trace could say how much. (These pools hold only
+# 23–92 checkpoints: the trace's working set is small.)
 #
-# A hit saves the linear work of every skipped token and the attention of the skipped
-# tokens with each other; the recomputed tail still attends to the whole prefix. At
-# 1.06 GB the conversation sub-trace saves 12 PFLOP (of about 33 PFLOP of cold
-# prefill) under `dual`, 6 under `align`, 3 under `every-block`, and 18 would be the
-# attention bound.
-
-# %% [markdown]
-# ## Which policy wins where
-#
-# On real traffic (the section above) the simplest baseline, `ends`, gets most of the
-# way and `dual` adds a few hundredths. Among the four original policies on the
-# generated traces of the first experiment the answer is clean:
-#
-# - **`dual` beats `align` and `every-block` at every memory size we tried.** Its advantage is largest where memory
-#   is scarce and sessions many: on the conversation trace 0.107 vs 0.041 for `align`
-#   (2.6x) and 0.060 for `every-block` at 0.26 GB, and 0.410 vs 0.210 and 0.115 at
-#   1.06 GB. (On real traffic the gap to the simplest baseline is small: the section
-#   above.)
-# - **`align` is a reasonable second** when prompts mostly extend each other (agent
-#   loops: within 0.06 of `dual` everywhere), and it is the simplest to implement.
-#   Its interval should be long: short chunks mean many states.
-# - **`every-block` only pays when memory is plentiful** relative to the working set
-#   (agent trace at 4.23 GB: 0.913, equal to the others). Below that, one state per
-#   block — 11 pages beside 1 page of KV — starves the KV.
-# - **Nothing reaches `kv-only` with little memory**: at 0.26 GB a pure-attention model
-#   would serve 25% of conversation prompt tokens from cache, the best hybrid policy
-#   11%. The bound is reached only once the cache holds the working set's KV *and*
-#   one state per resumable point (about 4 GB here).
-#
-# One knob was tuned: `dual`'s `alpha` (weight of FLOPs per byte against recency),
-# set to 0.005 by a coarse sweep on the generated traces, as Marconi tunes its own weight
-# per workload. On the real trace the whole of `dual`'s extra machinery is worth two
-# hundredths of the attention bound at 160 GB (above); exercise 6 splits it.
-
-# %% [markdown]
-# ## On real Kimi traffic, against the simplest baseline that works
-#
-# Everything above ran on generated traffic and compared `dual` with policies that spend
-# memory badly. Two corrections. First, the traffic: replay Moonshot's real conversation
-# trace (chapter 5: 12,031 requests, one hour of Kimi; [mooncake](references.md#mooncake)),
-# whole and by its own timestamps, at a memory size in GB of 48B KV (160 GB, about what
-# two 8-GPU nodes have left for cache; no sub-trace, no rescaling). Second, the baseline: `ends` checkpoints only where each request's last
-# whole block ends and evicts plain LRU — the simplest thing that works. `ends+branch`
-# adds `dual`'s branch points (it is exactly `dual` with `alpha = 0`), and `dual` adds
-# the FLOPs-per-byte weight `alpha` on top. Hits become time through `costs`: the prefill
-# seconds a usable hit saves per request (TTFT) on the roofline of chapter 3 (8
-# H800-class devices, tensor-parallel attention, half of peak FLOP/s), and what the
-# checkpoints cost to write (each one a copy of its bytes in HBM).
-
-# %%
-real = wl.load_trace(f"../data/{wl.MOONCAKE_CONVERSATION}", BLOCK)
-REAL_GB = (160,)  # one size here (each replay of the whole hour takes seconds); the CLI runs any other
-REAL_POLICIES = {160: ("kv-only", "ends", "dual")}
-saved_memo = {}
-
-
-def prefill_ms_saved(result):
-    """Mean prefill milliseconds per request that the usable hits saved (roofline, 48B)."""
-    total = 0.0
-    for out in result.per_request:
-        key = (out.n_tokens, out.usable_hit)
-        if key not in saved_memo:
-            saved_memo[key] = costs.prefill_seconds_saved(CFG, *key) if out.usable_hit else 0.0
-        total += saved_memo[key]
-    return 1e3 * total / result.requests
-
-
-write_ms = 1e3 * costs.checkpoint_write_seconds(CFG)
-real_runs = {}
-for gb in REAL_GB:
-    capacity = int(gb * 1e9 / kv_per_token)
-    for name in REAL_POLICIES[gb]:
-        cache = prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy(name), block_size=BLOCK,
-                                                    capacity_tokens=capacity)
-        real_runs[gb, name] = simulate(real, cache=cache, keep_per_request=True)
-print(f"real trace: {len(real):,} requests; mean cold prefill "
-      f"{1e3 * np.mean([costs.prefill_seconds(CFG, r.input_length) for r in real]):.1f} ms per request")
-print(f"{'GB':>4s} {'policy':<12s} {'usable hit':>10s} {'x kv-only':>9s} {'prefill saved':>14s} "
-      f"{'checkpoints':>11s} {'copying them':>13s}")
-for gb in REAL_GB:
-    bound = real_runs[gb, "kv-only"].usable_hit_rate
-    for name in REAL_POLICIES[gb]:
-        r = real_runs[gb, name]
-        copy_ms = write_ms * r.checkpoints_admitted / r.requests
-        print(f"{gb:4d} {name:<12s} {r.usable_hit_rate:10.4f} {r.usable_hit_rate / bound:9.3f} "
-              f"{prefill_ms_saved(r):11.2f} ms {r.checkpoints_admitted:11,d} {copy_ms:10.4f} ms")
-
-# %% [markdown]
-# On real traffic the extra machinery buys little. `ends` alone gets most of what a hybrid
-# can get: it keeps 0.832 of the attention bound's usable hit rate, and branch points
-# plus `alpha` together lift `dual` to 0.851 — two hundredths. `dual` saves more prefill time,
-# because its eviction keeps the checkpoints of long, expensive prefixes. The checkpoints
-# themselves are cheap to write: copying them costs over a thousand times less than the
-# prefill they save. How much of `dual`'s small gain is branch points and how much is
-# `alpha` (`ends+branch` is exactly `dual` with `alpha = 0`), and whether `alpha` helps
-# at a smaller memory, is exercise 6. So the simplest baseline is the honest default on this
-# traffic; `dual`'s refinements earn their keep on agent-style traffic that branches
-# (the generated agent trace above) and when prefill seconds, not tokens, are the goal.
-# (The alpha sweep over the real trace, and `dual` at many more budgets, are too slow for
-# this chapter's time budget; `python -m kimilab prefix` runs any of them.)
-
-# %% [markdown]
 # ## Against vLLM, SGLang and Marconi
 #
-# The policies are simplified versions of what the production systems do
-# ([vllm](references.md#vllm), [sglang](references.md#sglang), [marconi](references.md#marconi)):
-#
-# - **vLLM `all`** keeps a state at every block boundary — our `every-block`. vLLM does
-#   not pay 11 pages of 512 tokens per state as we do: it equalises *per-layer* pages.
-#   The attention block grows until one MLA layer's page holds one KDA layer's state,
-#   and layers are grouped so that every group has as many layers as the smallest type
-#   (`costs.vllm_hybrid_pages` derives it; next cell). A state checkpoint then costs a
-#   few of vLLM's large blocks, and the known pain is the block size itself: a prompt
-#   shorter than one block never hits, and every hit is rounded down to a whole block.
-#   We keep Mooncake's 512-token blocks and pay in pages instead; either way, a state
-#   per block is the expensive thing.
-# - **vLLM `align`** stores states at the end of each scheduled prefill chunk — our
-#   `align`, with the chunk size as the interval. **SGLang**'s `MambaRadixCache` also
-#   keeps at most one state per tree node and recomputes from the deepest node with a
-#   state, as ours does; its `extra_buffer` mode checkpoints every 256 tokens, finer
-#   than our finest interval (one block), which the interval sweep says is the
-#   expensive end. SGLang keeps states in a separate `MambaPool`, so the KV/state split
-#   is fixed in advance; here one pool lets each policy choose its split (chapter 4).
+# - **vLLM `all`** keeps a state at every block boundary — our `every-block` — and
+#   **vLLM `align`** at the end of each scheduled prefill chunk — our `align`
+#   ([vllm](references.md#vllm)). With vLLM's own 1,888-token blocks a state costs 3
+#   blocks instead of 11 pages, so `all` wastes less memory on states than our
+#   512-token `every-block`; but every hit is rounded down to a whole large block and
+#   short prompts never hit, which costs the attention bound itself (the dashed grey
+#   line above).
+# - **SGLang**'s `MambaRadixCache` keeps at most one state per tree node and recomputes
+#   from the deepest node with a state, as ours does ([sglang](references.md#sglang));
+#   it keeps states in a separate pool, so the KV/state split is fixed in advance,
+#   where one pool lets each policy choose (chapter 4).
 # - **Marconi** admits states only at branch points and sequence ends and evicts by
-#   recency plus FLOPs saved per byte — our `dual`. It reports up to 34.4x the token
-#   hit rate and 71% lower P95 TTFT than extended vLLM/SGLang baselines. We measure up
-#   to 2.6x over `align` (conversation, 0.26 GB) and 3.2x over `every-block` (agent,
-#   0.26 GB), not 34x:
-#   our baselines share our block size, pool and eviction code, the traffic is
-#   synthetic, and we do not simulate TTFT (chapter 10 does scheduling). The direction
-#   agrees; the size of the effect depends on how badly the baseline spends costs.
+#   recency plus FLOPs saved per byte — our `dual` ([marconi](references.md#marconi)).
+#   It reports up to 34.4x the token hit rate of extended vLLM/SGLang baselines. Against
+#   baselines that spend memory on states nobody resumes from, we see large factors too
+#   (table above); against `ends`, the simplest baseline that works, the gain on real
+#   chat traffic is what the alpha sweep shows, no more.
 #
-# %%
-v = costs.vllm_hybrid_pages(CFG)
-print(f"vLLM's attention block: {v.block_tokens:,} tokens (one MLA layer's page = {v.page_bytes:,} B, "
-      f"a KDA state + conv state {v.state_bytes:,} B padded to it)")
-print(f"layer groups of {v.group_size}: {v.attn_groups} MLA group, {v.kda_groups} KDA groups "
-      f"({v.padded_layers} padded slot); one checkpoint = {v.checkpoint_blocks} KV blocks of {v.block_tokens:,} "
-      f"tokens, vs {ckpt_bytes / (BLOCK * kv_per_token):.1f} blocks of {BLOCK}")
-
-# %% [markdown]
 # Where our `dual` is simpler than Marconi: states sit on 512-token block boundaries
 # (Marconi's tree is per token); the "sequence end" is the end of the prompt's last
-# full block, because a Mooncake trace has no output tokens (Marconi also checkpoints
-# after decoding); and the eviction rank is computed once per use rather than
-# normalised over all candidates at each eviction, so that eviction stays O(log n)
-# and the full 12k-request trace replays in seconds.
+# full block, because a Mooncake trace carries output lengths but not output tokens;
+# and the eviction rank is computed once per use rather than normalised over all
+# candidates at each eviction, so that eviction stays O(log n).
 
 # %% [markdown]
 # ## How fast the simulation runs
 #
-# Wall-clock CPU time of one replay of the sub-trace (varies with the machine; not a
-# serving speed, a Python simulation's):
+# Wall-clock CPU time of the replays above (varies with the machine; a Python
+# simulation's speed, not a serving speed):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-for name in POLICIES:
-    r = results["conversation", name, 2**17]
-    print(f"{name:<12} {r.requests} requests in {r.wall_seconds:.2f} s "
-          f"({r.requests / r.wall_seconds:,.0f} requests/s)")
+for gb in (10, 160):
+    print(f"{gb} GB: " + ", ".join(f"{n} {runs[n, gb].wall_seconds:.2f} s" for n in POLICIES if (n, gb) in runs))
+total = sum(r.wall_seconds for r in runs.values())
+print(f"{len(runs)} replays: {total:.1f} s of CPU in all")
 
 # %% [markdown]
 # ## Summary
@@ -690,25 +612,23 @@ for name in POLICIES:
 #   checkpoint: the *usable hit*. At 48B scale a checkpoint (41 MiB) costs as much
 #   memory as 10.5 KV pages of 512 tokens, so every state admitted evicts KV.
 # - `HybridPrefixCache` keeps KV per block in chapter 5's radix tree and at most one
-#   checkpoint per node, both in one page pool; policies decide where states go and
-#   what to evict. Resuming from a checkpoint is exact (logits and final cache equal a
-#   cold prefill to < 1e-10 on the tiny model).
-# - Requests and the cache share that one pool: a request writes its prompt's KV into
-#   pages the tree keeps, so when it finishes, its blocks are already cached prefix; the
-#   next request reads them in place. Only states are copied.
-# - On Moonshot's real conversation trace at 160 GB, checkpointing only request ends
-#   (`ends`, LRU) keeps 0.832 of the attention bound; branch points and `alpha` lift
-#   `dual` to 0.851 — the simplest baseline is most of the answer.
-# - At equal memory `dual` (request ends + branch points, FLOP-aware eviction) beats
-#   `align` and `every-block` on both generated traces: on the conversation sub-trace 0.410 vs
-#   0.210 and 0.115 at 1.06 GB, reaching the attention bound (0.677) at 4.23 GB.
-# - Coarse periodic checkpoints did not help this traffic: the usable hit rate rose as
-#   the interval grew, and `dual` without an interval was best.
-# - FLOPs saved track the usable hit rate; `every-block` wastes 89% of memory on states
-#   and admits twelve times as many checkpoints as `dual` (4,633 vs 393).
-# - Honest scope: synthetic traffic, analytic bytes and FLOPs, requests replayed one at
-#   a time, one tuned knob (`alpha`); the mechanism is exact, the numbers are this
-#   simulation's.
+#   checkpoint per node, in the same page pool as the requests; resuming from a
+#   checkpoint is exact (logits and final cache equal a cold prefill to < 1e-10 on the
+#   tiny model). `RunPrefixCache` is its twin over runs of blocks, equal request by
+#   request and fast enough to sweep a whole hour of real traffic.
+# - On Moonshot's real conversation trace, the simplest policy that works — a state at
+#   each request's end, LRU (`ends`) — keeps 0.830 of the attention bound's usable hit
+#   at 10 GB, 0.672 at 40 GB and 0.832 at 160 GB. `dual` is within a few hundredths;
+#   vLLM's modes at our block size are far below (`every-block` 0.209 of the bound at
+#   160 GB).
+# - `alpha` (FLOPs per byte in the eviction rank) is the only part of `dual` that pays
+#   on chat: 1.74x `ends`' prefill time saved at 10 GB with `alpha = 0.02`, a loss at
+#   160 GB with the same weight. Branch points pay a little on branching agent traffic.
+# - vLLM's 1,888-token blocks make states cheaper but cost hits: prompts of one block
+#   never hit, and the attention bound itself drops from 0.3585 to 0.3017 at 160 GB.
+# - Honest scope: chat traffic only for the real part (the agent trace is generated),
+#   requests replayed one at a time with no queueing, prefill time from a roofline with
+#   an assumed efficiency; the mechanism is exact, the numbers are this simulation's.
 
 # %% [markdown]
 # ## Exercises
@@ -730,24 +650,22 @@ check(answer, -(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(
 # pages (21.03 rounded up). The checkpoint does not shrink with the block; the page does.
 # </details>
 #
-# 2. **Alpha.** `dual` ranks by recency (in cache turnovers) plus `alpha` times FLOPs
-#    per byte. Replay `conversation` at `2**15` and at `2**18` with
-#    `prefix.make_policy("dual", alpha=a)` for `a` in 0, 0.002, 0.005, 0.02, 0.1. Which
-#    is best at each size? Why does a small cache want more weight on FLOPs per byte?
+# 2. **Alpha at other budgets.** With `replay(real, prefix.make_policy("dual", alpha=a), gb)`,
+#    sweep `a` over 0, 0.005, 0.02 and 0.05 at 20 and 40 GB. Where does the best `alpha`
+#    sit between the 10 GB and 160 GB answers above? Would you ship one value?
 # 3. **Branch points only.** Write a policy (subclass `prefix.Policy`) that admits only
-#    branch points, no request ends. On which trace does it lose most, and why?
-# 4. **Partial blocks.** Replay `agent` with `partial_blocks=True` (the trailing partial
-#    block is cached too). Does the usable hit rate change? Why can a token-exact match
-#    inside a block never be *usable* for a hybrid model?
-# 5. **The full hour.** The command-line tool replays any Mooncake-format trace, for
-#    example `python -m kimilab prefix ../data/conversation_like.jsonl --capacity-tokens
-#    4194304 --policy align` (a few CPU seconds each). Compare the four policies on all
-#    12,044 requests at 8.5 GB (`1048576`) and 33.8 GB (`4194304`). Is the ranking the
-#    same as on the 1-in-32 sub-trace? Which gap grows?
-#
-# 6. **Does `alpha` help with less memory?** Replay the real trace at 40 GB
-#    (`--capacity-tokens 4960317`), and at 160 GB (`19841269`), with `--policy ends`,
-#    `ends+branch` and `dual`
-#    (`python -m kimilab prefix ../data/mooncake_conversation.jsonl ...`, a few seconds
-#    each). Rank them by `usable_hit_rate` and by `prefill_flops_saved`. Do the two
-#    rankings agree? What does that say about what `alpha` optimises?
+#    branch points, no request ends. Replay the real trace at 40 GB: how much does it
+#    lose against `ends`, and why?
+# 4. **Partial blocks.** Replay `agent` through
+#    `prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy("ends"), block_size=BLOCK,
+#    capacity_tokens=..., partial_blocks=True)` (the trailing partial block is cached too).
+#    Does the usable hit rate change? Why can a token-exact match inside a block never be
+#    *usable* for a hybrid model?
+# 5. **Generated vs real.** Replay `../data/conversation_like.jsonl` (chapter 5's
+#    generated look-alike of the Mooncake trace) at 10, 40 and 160 GB with `ends` and
+#    `dual`. How much bigger is `dual`'s lead there than on the real trace? Which
+#    property of the generated trace (chapter 5's reuse ceiling) flatters it?
+# 6. **The checkpoint interval.** `align` stores a state every `interval` tokens of
+#    prefill. On the real trace at 40 GB, sweep `prefix.make_policy("align", interval=i)`
+#    for `i` in 512, 2,048, 8,192 and 32,768. What happens as the interval grows, and
+#    which policy does `align` turn into at the long end?

@@ -55,6 +55,8 @@ METHODS: dict[str, tuple[str, str]] = {
     "kv-only": ("kv-only (attention bound)", "#999999"),
     "every-block": ("every-block (vLLM all)", "#0072B2"),
     "align": ("align (vLLM align)", "#E69F00"),
+    "ends": ("ends (request ends, LRU)", "#D55E00"),
+    "ends+branch": ("ends+branch (= dual, alpha 0)", "#CC79A7"),
     "dual": ("dual (branch points + ends)", "#009E73"),
     "lru": ("LRU", "#56B4E9"),
 }

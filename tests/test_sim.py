@@ -12,7 +12,7 @@ from kimilab.costs import CacheShapes
 from kimilab.pool import JengaPages, PagePool, PoolExhausted, RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages
 from kimilab.prefix import HybridPrefixCache, RadixTree, make_policy
 from kimilab.sim import simulate
-from kimilab.traffic import Request, mixed_workload
+from kimilab.traffic import Request, load_trace, mixed_workload
 
 SHAPES = CacheShapes.from_config(config.kimi_linear_48b)
 POLICIES = [UnifiedPages(), VllmPaddedPages(), JengaPages(), SplitPools(0.9), SplitPools(4.0)]
@@ -163,3 +163,24 @@ def test_prefill_charged_in_time_delays_tokens_and_recompute():
         assert np.all(b.reserved_bytes <= b.capacity_bytes) and np.all(b.padding_bytes >= 0)
     with pytest.raises(ValueError, match="prefill_tokens_per_step"):
         simulate(one, memory=RequestAllocator(UnifiedPages(), SHAPES, 2**30), prefill_tokens_per_step=0)
+
+
+def test_a_parallel_sweep_gives_the_serial_numbers(data_dir):
+    """replay_many on two processes == one process == simulate by hand (only wall time differs)."""
+    from kimilab.prefix import RunPrefixCache, make_policy
+    from kimilab.sim import Replay, replay_many
+
+    trace = str(data_dir / "agent.jsonl")
+    jobs = {(name, gb): Replay(trace, name, gb, options=opts)
+            for name, opts in (("ends", ()), ("dual", (("alpha", 0.02),)))
+            for gb in (1, 2)}
+    jobs["vllm", 2] = Replay(trace, "every-block", 2, block_size=1888)
+    two, one = replay_many(jobs, workers=2), replay_many(jobs, workers=1)
+    strip = {"wall_seconds": 0}
+    assert {k: r.as_dict() | strip for k, r in two.items()} == {k: r.as_dict() | strip for k, r in one.items()}
+    by_hand = simulate(load_trace(trace), cache=RunPrefixCache(
+        config.kimi_linear_48b, make_policy("dual", alpha=0.02), block_size=512,
+        capacity_tokens=jobs["dual", 1].capacity_tokens()))
+    assert two["dual", 1].as_dict() | strip == by_hand.as_dict() | strip
+    with pytest.raises(ValueError, match="jobs"):
+        replay_many({"x": "not a job"})

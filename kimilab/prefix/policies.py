@@ -25,7 +25,7 @@ points add, ``dual`` - ``ends+branch`` what ``alpha`` adds (``dual`` with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from kimilab.validate import check_float, check_int
 
@@ -45,7 +45,7 @@ class Placement:
     or more children after this request's insertion (the prompt left a cached path there).
     """
 
-    ends: list  # prefix length (tokens) at the end of each of the prompt's cached blocks
+    ends: Sequence[int]  # prefix length (tokens) at the end of each of the prompt's cached blocks
     n_matched: int  # how many of them were cached before this request
     usable_end: int  # tokens covered by the usable hit (a checkpoint or 0)
     n_tokens: int  # prompt length

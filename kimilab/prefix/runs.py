@@ -393,11 +393,13 @@ class RunPrefixCache:
             # a branch: new blocks hang from the last matched block as a second (or later) child run
             branch = (0 <= j < n_path - 1 and len(path) >= 2 and path[-2].hi == matched
                       and len(path[-2].children) >= 2)
-            ends = [(d + 1) * block for d in range(n_path)]
-            wanted = [i + 1 for i in policy.positions(Placement(ends, matched, usable, n, branch))]
-            los = [run.lo for run in path]
-            wanted = [(path[bisect.bisect_right(los, d) - 1], d) for d in wanted if d * block > usable]
-            wanted = [(run, d) for run, d in wanted if d not in run.checkpoints]
+            ends = range(block, (n_path + 1) * block, block)  # every block is whole: ends are multiples
+            wanted = [i + 1 for i in policy.positions(Placement(ends, matched, usable, n, branch))
+                      if (i + 1) * block > usable]
+            if wanted:
+                los = [run.lo for run in path]
+                wanted = [(path[bisect.bisect_right(los, d) - 1], d) for d in wanted]
+                wanted = [(run, d) for run, d in wanted if d not in run.checkpoints]
             got = self._allocate(self.checkpoint_pages, len(wanted))
             for run, d in wanted[:got]:
                 run.checkpoints[d] = _Checkpoint(run, d, run.last_access)
@@ -420,10 +422,11 @@ class RunPrefixCache:
         if self.policy.free_states:
             return
         for run in path:
-            if run.refcount:
+            cks = run.checkpoints
+            if run.refcount or not cks:
                 continue
-            for depth in sorted(run.checkpoints):
-                ck = run.checkpoints[depth]
+            for depth in sorted(cks) if len(cks) > 1 else cks:
+                ck = cks[depth]
                 if ck.serial == -1:
                     self._push_checkpoint(ck)
 
