@@ -23,9 +23,10 @@ LAYERS = {
     "model": 4,
     "pool": 5,
     "prefix": 6,
-    "sim": 7, "spec": 7,
-    "book": 8,
-    "__main__": 9,
+    "sim": 7, "spec": 7, "cp": 7, "engine": 7,
+    "fleet": 8,
+    "book": 9,
+    "__main__": 10,
 }
 
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
