@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book test lab sync bench parity clean
+.PHONY: setup book html student classroom test lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,21 @@ $(STAMP): pyproject.toml
 book: $(STAMP)
 	$(BIN)/python -m kimilab book
 
+# The web edition from the stored notebooks (no execution): _build/html/index.html.
+html: $(STAMP)
+	$(BIN)/python -m kimilab html
+
+# The classroom edition: student/NN_slug.ipynb with the solutions removed and outputs cleared.
+student: $(STAMP)
+	$(BIN)/python -m kimilab student
+
 # Unit + property tests, then strict nbval over every executed chapter.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests chapters/*.ipynb $(NBVAL)
+	$(BIN)/python -m pytest -q -m "not classroom" tests chapters/*.ipynb $(NBVAL)
+
+# Every student notebook runs up to its first exercise and stops there (executes every chapter again).
+classroom: $(STAMP)
+	$(BIN)/python -m pytest -q -m classroom tests/test_classroom.py
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/
@@ -53,5 +65,5 @@ parity: $(PARITY)
 	$(BIN)/python -m pytest -q -m parity tests
 
 clean:
-	rm -rf _build figures .hypothesis
+	rm -rf _build figures student .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

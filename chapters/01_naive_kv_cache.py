@@ -36,7 +36,7 @@ import numpy as np
 
 from kimilab import costs, plots
 from kimilab.config import all_mla_27, gqa_8b, kimi_linear_48b, tiny
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.notebook import show_source
 from kimilab.ops.attention import KVCache, causal_attention, decode_flops, decode_step, reference_causal_attention
 from kimilab.timing import best_seconds
@@ -411,47 +411,51 @@ print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cach
 #   31,104 B/token (26%: the tech report's "up to 75% less"), a GQA-8B model 131,072 B/token.
 # - At long context the cache outgrows the weights: it decides the batch that fits and
 #   most of the bytes each decoded token reads.
-#
+
+# %% [markdown]
 # ## Exercises
 #
-# 1. **MHA instead of GQA.** If `gqa_8b` gave every one of its 32 query heads its own
-#    K and V head (plain multi-head attention), how many bytes per token would its KV
-#    cache take? Compute it by hand (layers × 2 × KV heads × head dim × bytes), put it
-#    in `answer`, and run the check.
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
+#
+# **1.1 MHA instead of GQA.** If `gqa_8b` gave every one of its 32 query heads its own
+# K and V head (plain multi-head attention), how many bytes per token would its KV
+# cache take? Compute it by hand (layers × 2 × KV heads × head dim × bytes).
+
+# %% tags=["solution"]
+answer = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 bytes: 4x GQA's 8 KV heads
 
 # %%
-answer = None  # your number of bytes per token
-mha_8b = gqa_8b.with_(attn_kind="mha", attn_kv_heads=32)
-check(answer, costs.kv_bytes_per_token(mha_8b), name="MHA bytes per token",
-      hint="layers x 2 (K and V) x KV heads x head dim x 2 bytes (bf16).")
+verify("1.1", answer)
 
 # %% [markdown]
-# <details><summary>Solution</summary>
-#
-# 32 layers × 2 × 32 heads × 128 dims × 2 bytes = **524,288 B/token** (4x GQA's 8 KV
-# heads): `check(32 * 2 * 32 * 128 * 2, ...)` prints "correct".
-# </details>
-#
-# 2. **Where the cache equals the weights.** At what context length does one all-MLA
-#    request's KV cache hold as many bytes as all 96 GB of the 48B model's weights?
-#    (Hint: `costs.weight_bytes(all_mla_27)` and `costs.kv_bytes_per_token(all_mla_27)`.)
+# **1.2 A long request.** How many bytes does one 32,768-token request's KV cache take
+# under `gqa_8b`?
+
+# %% tags=["solution"]
+answer = costs.kv_bytes_per_token(gqa_8b) * 32_768
 
 # %%
-answer = None  # a context length in tokens
-check(answer, costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27),
-      name="cache = weights", rtol=0.01, hint="divide the weight bytes by the KV bytes per token (within 1%).")
+verify("1.2", answer)
 
 # %% [markdown]
-# <details><summary>Solution</summary>
+# **1.3 Where the cache equals the weights.** At what context length does one all-MLA
+# request's KV cache hold as many bytes as all 96 GB of the 48B model's weights?
+# (`costs.weight_bytes(all_mla_27)` and `costs.kv_bytes_per_token(all_mla_27)`; answers
+# within 1% pass.)
+
+# %% tags=["solution"]
+answer = costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27)  # about 3.09 million tokens
+
+# %%
+verify("1.3", answer)
+
+# %% [markdown]
+# **1.4 (open)** `causal_attention` processes queries in blocks (`query_block`). Time a
+# prefill of 4,096 tokens with blocks of 16, 256 and 4,096, and check the outputs stay
+# equal. What limits the largest block? (Hint: the score array is H × block × L.)
 #
-# 96e9 / 31,104 = 3,086,420 ≈ **3.09 million tokens** (`check(3.09e6, ...)` prints
-# "correct": the check accepts answers within 1%, so 96 GiB instead of 96 GB, 3.31
-# million, is rejected); for the hybrid it is 96e9 / 8,064 ≈ 11.9 million.
-# </details>
-#
-# 3. **Open.** `causal_attention` processes queries in blocks (`query_block`). Time a
-#    prefill of 4,096 tokens with blocks of 16, 256 and 4,096, and check the outputs stay
-#    equal. What limits the largest block? (Hint: the score array is H × block × L.)
-# 4. **Open.** Add a sliding window to the cache: keep only the last W tokens. Which
-#    outputs change, and which test in `tests/test_attention.py` would you have to
-#    rewrite?
+# **1.5 (open)** Add a sliding window to the cache: keep only the last W tokens. Which
+# outputs change, and which test in `tests/test_attention.py` would you have to
+# rewrite?

@@ -41,7 +41,7 @@ import numpy as np
 
 from kimilab import costs, kda, plots
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.kda.testing import PROPERTY_EXAMPLES, random_inputs
 from kimilab.notebook import show_source
 from kimilab.ops.attention import KVCache
@@ -706,34 +706,50 @@ plt.show()
 # - States do not add. A segment is an affine map `S_out = M S_in + C`; segments
 #   compose in order. Prefix caching (chapters 5-6), speculative rollback (7-8) and
 #   context parallelism (9) all have to live with that.
-#
+
+# %% [markdown]
 # ## Exercises
 #
-# **1.** How many bytes does ONE Kimi-Linear-48B KDA layer's state take for one
-# request? It has 32 heads, K = V = 128, and the state is kept in fp32 (4 bytes).
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
+#
+# **2.1 The state of one layer.** How many bytes does ONE Kimi-Linear-48B KDA layer's
+# state take for one request? It has 32 heads, K = V = 128, and the state is kept in
+# fp32 (4 bytes).
+
+# %% tags=["solution"]
+answer = 32 * 128 * 128 * 4  # H x K x V numbers of 4 bytes: 2 MiB, at 1 token and at 1M tokens
 
 # %%
-answer = None  # your number of bytes here
-check(answer, kda.state_bytes(kimi_linear_48b.n_heads, kimi_linear_48b.head_dim, kimi_linear_48b.head_dim, 4),
-      name="KDA state bytes per layer", hint="A state is H x K x V numbers; multiply by the bytes per number.")
+verify("2.1", answer)
 
 # %% [markdown]
-# *Solution:* `32 * 128 * 128 * 4 = 2,097,152` bytes (2 MiB), the same at 1 token and
-# at 1M tokens.
-#
-# **2.** A segment with `g = 0` (no forgetting) and `beta = 0` (no writing) leaves
-# the state unchanged. What are its `M` and `C`? Compute `segment_transition` for such
-# a segment of 10 tokens (H = 1, K = 3, V = 2) and compare `M` with `np.eye(3)`.
+# **2.2 Forgetting.** A gated delta rule with a constant forget gate `alpha = 0.99` and
+# no new writes: what fraction of the state is left after 100 tokens?
+
+# %% tags=["solution"]
+answer = 0.99 ** 100  # each token multiplies the state by alpha
 
 # %%
-answer_M = None  # e.g. kda.segment_transition(k, v, np.zeros(...), np.zeros(...))[0][0]
-check(answer_M, np.eye(3), name="M of a do-nothing segment", atol=1e-12,
-      hint="Build k, v of shapes [10, 1, 3] and [10, 1, 2], g = zeros [10, 1, 3], beta = zeros [10, 1].")
+verify("2.2", answer)
 
 # %% [markdown]
-# *Solution:* `M = I` and `C = 0`: the identity transition (`kda.identity_transition`).
-#
-# **3.** (Open) `naive_chunk_kda` computes every decay as `np.exp(G[i] - G[j])`. Change
+# **2.3 A segment that does nothing.** A segment with `g = 0` (no forgetting) and
+# `beta = 0` (no writing) leaves the state unchanged. Compute `segment_transition` for
+# such a segment of 10 tokens (H = 1, K = 3, V = 2) and put head 0's `M` in `answer`.
+
+# %% tags=["solution"]
+rng = np.random.default_rng(0)
+M, C = kda.segment_transition(rng.normal(size=(10, 1, 3)), rng.normal(size=(10, 1, 2)),
+                              np.zeros((10, 1, 3)), np.zeros((10, 1)))
+answer = M[0]  # the identity (and C = 0): kda.identity_transition
+
+# %%
+verify("2.3", answer)
+
+# %% [markdown]
+# **2.4 (open)** `naive_chunk_kda` computes every decay as `np.exp(G[i] - G[j])`. Change
 # a copy of it to compute `np.exp(G[i]) / np.exp(G[j])` instead, and run both on one
 # head of `random_inputs(256, 1, 8, 8, seed=0, gate="extreme")` with `chunk_size=64`,
 # against `kda.recurrent_kda`. What goes wrong, and why? Why must `chunk_kda`, which

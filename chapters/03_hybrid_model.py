@@ -46,7 +46,7 @@ from matplotlib.patches import FancyBboxPatch, Patch
 
 from kimilab import costs, kda, plots
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.model import HybridCache, KDALayer, Model
 from kimilab.notebook import show_source
 from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
@@ -791,51 +791,55 @@ print("C1 + C2 (adding the halves) == state after 100 tokens:", bool(np.abs(C1 +
 #   blocks for the 48B model) and grouping layers; one state then costs 3 KV blocks.
 # - The fixed state cannot be paged like KV, sliced to a prefix, or rolled back by
 #   truncation — the problems chapters 4–9 solve.
-#
+
+# %% [markdown]
 # ## Exercises
 #
-# **1. (checked)** How many bytes does one `tiny` request hold after **1,000** tokens, all
-# kinds together? Compute it any way you like (a cache and `nbytes`, or the anatomy
-# table above) and put it in `answer`.
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
+#
+# **3.1 A tiny request.** How many bytes does one `tiny` request hold after **1,000**
+# tokens, all kinds together? Compute it any way you like (a cache and `nbytes`, or
+# the anatomy table above).
+
+# %% tags=["solution"]
+c = model.new_cache()
+model.prefill(np.zeros(1000, int), c)
+answer = c.nbytes  # 1000 x 4,096 B of KV + 196,608 B of KDA states + 55,296 B of conv states
 
 # %%
-answer = None  # your number of bytes here
-check(answer, costs.request_total_bytes(tiny, 1000), name="tiny cache at 1000 tokens",
-      hint="KV grows by 2 layers x 2 x 4 heads x 32 x 8 B per token; the states are fixed.")
+verify("3.1", answer)
 
 # %% [markdown]
-# <details><summary>Solution</summary>
-#
-# `c = model.new_cache(); model.prefill(np.zeros(1000, int), c); c.nbytes` gives
-# 1000 x 4,096 B of KV + 196,608 B of KDA states + 55,296 B of conv states = 4,347,904 B.
-# </details>
-#
-# **2. (checked)** At what context length does the `tiny` model's KV cache first become
-# *larger* than its fixed states (KDA + conv together)? Give the smallest such number of
-# tokens.
+# **3.2 Where KV overtakes the states.** At what context length does the `tiny`
+# model's KV cache first become *larger* than its fixed states (KDA + conv together)?
+# Give the smallest such number of tokens.
+
+# %% tags=["solution"]
+answer = costs.checkpoint_bytes(tiny) // costs.kv_bytes_per_token(tiny) + 1  # 251,904 B fixed, 4,096 B a token
 
 # %%
-answer_crossover = None  # smallest T with KV bytes > fixed-state bytes
-fixed = costs.checkpoint_bytes(tiny)
-check(answer_crossover, fixed // costs.kv_bytes_per_token(tiny) + 1, name="KV overtakes the states",
-      hint="divide the fixed-state bytes by the KV bytes per token.")
+verify("3.2", answer)
 
 # %% [markdown]
-# <details><summary>Solution</summary>
-#
-# The fixed part is 251,904 B and KV grows by 4,096 B per token, so KV is larger from
-# T = 62 on (61 x 4,096 = 249,856 < 251,904 < 253,952 = 62 x 4,096).
-# For Kimi-Linear-48B the same crossover is at 43,417,600 / 8,064 -> 5,385 tokens (the
-# "its own KV passes its states" column of the 48B memory cell).
-# </details>
-#
-# **3. (open)** Make a 1 KDA : 1 global variant, `tiny.with_(name="tiny-1to1",
+# **3.3 The 48B states.** How many bytes of KDA and conv state does one
+# Kimi-Linear-48B request hold, whatever its length?
+
+# %% tags=["solution"]
+answer = costs.checkpoint_bytes(kimi_linear_48b)  # 20 layers x (2 MiB fp32 state + bf16 conv state)
+
+# %%
+verify("3.3", answer)
+
+# %% [markdown]
+# **3.4 (open)** Make a 1 KDA : 1 global variant, `tiny.with_(name="tiny-1to1",
 # layer_pattern="KAKAKAKA")`, and rerun the three-way exactness check. Then do the same
 # at the 48B scale with `kimi_linear_48b.with_(name="kimi-1to1", layer_pattern=...)`: how
 # much of the 75% saving is left, and how many 1M-token requests fit under TP and under
 # DP-attention? (The copy keeps the 48B weight model, `cfg.weights`; that the weights
 # stay the same is an assumption worth stating.)
 #
-# **4. (open)** Use `capture` to replay a whole prompt through one KDA layer with
+# **3.5 (open)** Use `capture` to replay a whole prompt through one KDA layer with
 # `kda.chunk_kda` and compare its final state with `cache.kda_state(i)`. What else
 # (besides q, k, v, g, beta) would you need to store to rebuild the conv state?

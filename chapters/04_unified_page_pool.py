@@ -45,10 +45,10 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from kimilab import plots
+from kimilab import costs, plots
 from kimilab.config import PAGE_KINDS, kimi_linear_48b, tiny
 from kimilab.costs import CacheShapes
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
 from kimilab.pool import (JengaPages, PagedHybridCache, PagePool, PoolExhausted, RequestAllocator, SplitPools,
@@ -669,41 +669,58 @@ p_cache.free()
 #   its lead over Jenga is 3.0-4.6% where memory binds, and every layout ties where it
 #   does not.
 # - The price is indirection: states and KV are gathered through page lists.
-#
-# ## Exercises
-#
-# **1. (checked) Size a pool.** You serve `kimi_linear_48b` with an **8 GiB** cache budget on
-# a unified pool whose page is one 16-token MLA block of one layer (`UnifiedPages()`).
-# How many requests of **4,096 tokens** each can be resident at once?
-
-# %%
-answer = None  # number of 4,096-token requests that fit at once
-layout = UnifiedPages()
-page_bytes = layout.page_bytes(s48)["main"]
-n_pages = (8 * GiB) // page_bytes
-per_request = layout.footprint(s48, 4096).reserved_bytes // page_bytes
-check(answer, n_pages // per_request, name="requests in an 8 GiB unified pool",
-      hint="pages in the pool = budget // page_bytes; pages per request = its states' pages "
-           "(ceil per layer) + 7 layers x 256 blocks; divide and round down.")
 
 # %% [markdown]
-# <details><summary>Solution</summary>
+# ## Exercises
 #
-# A page is 16 x 1,152 B = 18,432 B, so 8 GiB holds 466,033 pages. A request needs
-# 20 x 114 pages of KDA states (2,097,152 B / 18,432 B, rounded up), 20 x 4 pages of conv
-# states and 7 x 256 pages of KV: 4,152 pages. 466,033 // 4,152 = 112 requests. Check it by admitting requests into
-# `RequestAllocator(UnifiedPages(), s48, 8 * GiB)` until `PoolExhausted`.
-# </details>
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
 #
-# **2.** Find the split ratio r that maximises the mean number of running requests on
-# this workload (try `np.linspace(1, 4, 7)`). Then make the workload document-only
-# (`chat_rate_per_s=0`) and search again. How far apart are the two best ratios, and how
-# close does each get to the unified pool?
+# **4.1 Size a pool.** You serve `kimi_linear_48b` with an **8 GiB** cache budget on a
+# unified pool whose page is one 16-token MLA block of one layer (`UnifiedPages()`).
+# How many requests of **4,096 tokens** each can be resident at once?
+
+# %% tags=["solution"]
+layout = UnifiedPages()
+page_bytes = layout.page_bytes(s48)["main"]  # 16 x 1,152 B
+per_request = layout.footprint(s48, 4096).reserved_bytes // page_bytes  # states (ceil per layer) + 7 x 256 KV
+answer = (8 * GiB // page_bytes) // per_request
+
+# %%
+verify("4.1", answer)
+
+# %% [markdown]
+# **4.2 vLLM at a coarser alignment.** The commit cited rounds the attention block to a
+# multiple of 16 tokens; later vLLM versions round MLA blocks to 64. What block size
+# (tokens) does vLLM's derivation give for Kimi-Linear-48B at 64-token alignment?
+
+# %% tags=["solution"]
+answer = costs.vllm_hybrid_pages(kimi_linear_48b, align_tokens=64).block_tokens
+
+# %%
+verify("4.2", answer)
+
+# %% [markdown]
+# **4.3 The padding.** At the default alignment, how many bytes of each KDA layer's
+# state page does vLLM's layout leave empty?
+
+# %% tags=["solution"]
+v16 = costs.vllm_hybrid_pages(kimi_linear_48b)
+answer = v16.page_bytes - v16.state_bytes
+
+# %%
+verify("4.3", answer)
+
+# %% [markdown]
+# **4.4 (open)** Find the split ratio r that maximises the mean number of running
+# requests on this workload (try `np.linspace(1, 4, 7)`). Then make the workload
+# document-only (`chat_rate_per_s=0`) and search again. How far apart are the two best
+# ratios, and how close does each get to the unified pool?
 #
-# **3.** The commit cited rounds the attention block to a multiple of 16 tokens; later
-# versions round MLA blocks to 64. Run `VllmPaddedPages(align_tokens=...)` with 1, 16 and
-# 64 and compare the padding per 100-token request. Why can alignment not remove the
-# padding, and which part of it does no alignment touch?
+# **4.5 (open)** Run `VllmPaddedPages(align_tokens=...)` with 1, 16 and 64 and compare
+# the padding per 100-token request. Why can alignment not remove the padding, and which
+# part of it does no alignment touch?
 #
-# **4.** Give the unified pool larger pages (`UnifiedPages(page_bytes=...)`, e.g. one
-# 2,174,976-byte vLLM page). Which kind of request loses, and by how much?
+# **4.6 (open)** Give the unified pool larger pages (`UnifiedPages(page_bytes=...)`, e.g.
+# one 2,174,976-byte vLLM page). Which kind of request loses, and by how much?

@@ -49,7 +49,7 @@ import kimilab.prefix as prefix
 import kimilab.traffic as wl
 from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
 from kimilab.pool import PagePool
@@ -562,32 +562,54 @@ print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.
 #   recovers part of it.
 # - For a hybrid model a KV hit is usable only where the KDA (and conv) state at that
 #   exact position was kept. A KV-only cache saves a hybrid model nothing.
-#
-# ## Exercises
-#
-# 1. **Whole blocks.** A chat turn re-sends a 2,900-token previous prompt plus 400 new
-#    tokens. With a whole-block cache of 512-token blocks that already holds the
-#    previous prompt, how many prompt tokens of the new turn are served from cache?
-
-# %%
-answer = None  # your number of tokens
-check(answer, (2900 // 512) * 512, name="whole blocks",
-      hint="Only full blocks of the previous prompt are cached: count them, times 512.")
 
 # %% [markdown]
-# <details><summary>Solution</summary>
+# ## Exercises
 #
-# `2900 // 512 = 5` full blocks, so `5 * 512 = 2560` tokens hit; the previous prompt's
-# last 340 tokens sat in a partial block and are recomputed with the 400 new ones.
-# </details>
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
 #
-# 2. **Capacity.** Replay the agent trace (`traces["agent"]`) with `simulate(..., cache=RadixTree(...))`
-#    at 8, 32 and 128 blocks. Where does the hit rate jump, and how does that relate to
-#    the 6,000-token tool prompt (12 blocks)?
-# 3. **Full hour.** Replay all 12,044 requests of the generated conversation-like trace
-#    at 4,096 blocks (a few seconds). Is the hit rate close to the 10-minute window's?
-#    Why might a window of a trace show a *higher* hit rate at equal capacity, or a
-#    lower one? Then replay the first 10 minutes of the real trace the same way.
-# 4. **Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
-#    and compute `wl.reuse_upper_bound`. How many turns per conversation would make the
-#    ceiling about 40%?
+# **5.1 Whole blocks.** A chat turn re-sends a 2,900-token previous prompt plus 400 new
+# tokens. With a whole-block cache of 512-token blocks that already holds the previous
+# prompt, how many prompt tokens of the new turn are served from cache?
+
+# %% tags=["solution"]
+answer = (2900 // 512) * 512  # 5 full blocks; the last 340 tokens sat in a partial block
+
+# %%
+verify("5.1", answer)
+
+# %% [markdown]
+# **5.2 Bytes of a million tokens.** How many GB (1e9 bytes) of Kimi-Linear-48B KV does
+# a cache of one million tokens hold?
+
+# %% tags=["solution"]
+answer = costs.kv_bytes_per_token(kimi_linear_48b) * 1e6 / 1e9
+
+# %%
+verify("5.2", answer)
+
+# %% [markdown]
+# **5.3 The real ceiling.** What token-weighted hit rate would an *infinite* block cache
+# reach on the whole real Mooncake trace (512-token blocks)?
+
+# %% tags=["solution"]
+answer = wl.reuse_upper_bound(traces["mooncake"], 512)
+
+# %%
+verify("5.3", answer)
+
+# %% [markdown]
+# **5.4 (open) Capacity.** Replay the agent trace (`traces["agent"]`) with
+# `simulate(..., cache=RadixTree(...))` at 8, 32 and 128 blocks. Where does the hit rate
+# jump, and how does that relate to the 6,000-token tool prompt (12 blocks)?
+#
+# **5.5 (open) Full hour.** Replay all 12,044 requests of the generated
+# conversation-like trace at 4,096 blocks (a few seconds). Is the hit rate close to the
+# 10-minute window's? Why might a window of a trace show a *higher* hit rate at equal
+# capacity, or a lower one? Then replay the first 10 minutes of the real trace the same way.
+#
+# **5.6 (open) Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
+# and compute `wl.reuse_upper_bound`. How many turns per conversation would make the
+# ceiling about 40%?

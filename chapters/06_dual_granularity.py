@@ -48,7 +48,7 @@ import kimilab.prefix as prefix
 import kimilab.traffic as wl
 from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.exercises import check
+from kimilab.exercises import verify
 from kimilab.model import HybridCache, Model
 from kimilab.notebook import show_source
 from kimilab.sim import Replay, replay_many, simulate
@@ -633,39 +633,61 @@ print(f"{len(runs)} replays: {total:.1f} s of CPU in all")
 # %% [markdown]
 # ## Exercises
 #
-# 1. **How many pages?** Kimi-Linear-48B with 256-token blocks instead of 512: how many
-#    pool pages does one checkpoint take? Use `costs.checkpoint_bytes` and
-#    `costs.kv_bytes_per_token`, and round up as the pool does.
+# Checked exercises come in three cells: the question, a cell where you compute the
+# answer (the student edition, `make student`, leaves it empty for you), and
+# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
+#
+# **6.1 How many pages?** Kimi-Linear-48B with 256-token blocks instead of 512: how
+# many pool pages does one checkpoint take? Use `costs.checkpoint_bytes` and
+# `costs.kv_bytes_per_token`, and round up as the pool does.
+
+# %% tags=["solution"]
+answer = -(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(CFG)))  # 21.03, rounded up
 
 # %%
-answer = None  # your number of pages
-check(answer, -(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(CFG))),
-      name="checkpoint pages at 256-token blocks",
-      hint="ceil(checkpoint_bytes / (256 * kv_bytes_per_token)); smaller pages, more of them.")
+verify("6.1", answer)
 
 # %% [markdown]
-# <details><summary>Solution</summary>
+# **6.2 A small pool.** How many whole checkpoints fit in 10 GB (1e9 bytes), with no KV
+# at all?
+
+# %% tags=["solution"]
+answer = int(10e9 // costs.checkpoint_bytes(CFG))
+
+# %%
+verify("6.2", answer)
+
+# %% [markdown]
+# **6.3 One more replay.** What usable hit rate does `ends` reach on the whole real
+# trace at 20 GB? (`Replay` and `replay_many` above, or `sim.replay(Replay(...))`.)
+
+# %% tags=["solution"]
+answer = runs["ends", 20].usable_hit_rate
+
+# %%
+verify("6.3", answer)
+
+# %% [markdown]
+# **6.4 (open) Alpha at other budgets.** With `Replay(REAL, "dual", gb, options=(("alpha", a),))`,
+# sweep `a` over 0, 0.005, 0.02 and 0.05 at 20 and 40 GB. Where does the best `alpha`
+# sit between the 10 GB and 160 GB answers above? Would you ship one value?
 #
-# `-(-costs.checkpoint_bytes(CFG) // (256 * costs.kv_bytes_per_token(CFG)))` = 22
-# pages (21.03 rounded up). The checkpoint does not shrink with the block; the page does.
-# </details>
+# **6.5 (open) Branch points only.** Write a policy (subclass `prefix.Policy`) that
+# admits only branch points, no request ends. Replay the real trace at 40 GB: how much
+# does it lose against `ends`, and why?
 #
-# 2. **Alpha at other budgets.** With `replay(real, prefix.make_policy("dual", alpha=a), gb)`,
-#    sweep `a` over 0, 0.005, 0.02 and 0.05 at 20 and 40 GB. Where does the best `alpha`
-#    sit between the 10 GB and 160 GB answers above? Would you ship one value?
-# 3. **Branch points only.** Write a policy (subclass `prefix.Policy`) that admits only
-#    branch points, no request ends. Replay the real trace at 40 GB: how much does it
-#    lose against `ends`, and why?
-# 4. **Partial blocks.** Replay `agent` through
-#    `prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy("ends"), block_size=BLOCK,
-#    capacity_tokens=..., partial_blocks=True)` (the trailing partial block is cached too).
-#    Does the usable hit rate change? Why can a token-exact match inside a block never be
-#    *usable* for a hybrid model?
-# 5. **Generated vs real.** Replay `../data/conversation_like.jsonl` (chapter 5's
-#    generated look-alike of the Mooncake trace) at 10, 40 and 160 GB with `ends` and
-#    `dual`. How much bigger is `dual`'s lead there than on the real trace? Which
-#    property of the generated trace (chapter 5's reuse ceiling) flatters it?
-# 6. **The checkpoint interval.** `align` stores a state every `interval` tokens of
-#    prefill. On the real trace at 40 GB, sweep `prefix.make_policy("align", interval=i)`
-#    for `i` in 512, 2,048, 8,192 and 32,768. What happens as the interval grows, and
-#    which policy does `align` turn into at the long end?
+# **6.6 (open) Partial blocks.** Replay `agent` through
+# `prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy("ends"), block_size=BLOCK,
+# capacity_tokens=..., partial_blocks=True)` (the trailing partial block is cached too).
+# Does the usable hit rate change? Why can a token-exact match inside a block never be
+# *usable* for a hybrid model?
+#
+# **6.7 (open) Generated vs real.** Replay `../data/conversation_like.jsonl` (chapter 5's
+# generated look-alike of the Mooncake trace) at 10, 40 and 160 GB with `ends` and
+# `dual`. How much bigger is `dual`'s lead there than on the real trace? Which property
+# of the generated trace (chapter 5's reuse ceiling) flatters it?
+#
+# **6.8 (open) The checkpoint interval.** `align` stores a state every `interval` tokens
+# of prefill. On the real trace at 40 GB, sweep `prefix.make_policy("align", interval=i)`
+# for `i` in 512, 2,048, 8,192 and 32,768. What happens as the interval grows, and which
+# policy does `align` turn into at the long end?

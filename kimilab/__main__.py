@@ -7,6 +7,8 @@ Commands:
 * ``traces regenerate DIR`` write the book's generated traces (byte-identical to data/)
 * ``memory``                a model's cache bytes and roofline decode time against a baseline
 * ``book``                  execute every chapter and render the book (same as ``make book``)
+* ``html``                  render the web edition from the stored chapters (``make html``)
+* ``student``               write the classroom edition without solutions (``make student``)
 
 A bad argument or a bad trace line is one line on stderr naming it, and exit status 2.
 """
@@ -89,6 +91,9 @@ def _parser() -> _Parser:
     b = sub.add_parser("book", help="execute every chapter and render the book")
     b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
     b.add_argument("--no-html", action="store_true", help="skip rendering HTML")
+
+    sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
+    sub.add_parser("student", help="write the classroom edition: student/NN_slug.ipynb, solutions removed")
     return top
 
 
@@ -169,6 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _traces(args, sub._subparsers._group_actions[0].choices[args.traces_command])
     if args.command == "memory":
         return _memory(args)
+    if args.command == "html":
+        from kimilab import site
+
+        return site.main()
+    if args.command == "student":
+        from kimilab import classroom
+
+        return classroom.main()
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))

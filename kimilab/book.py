@@ -8,7 +8,7 @@
 3. writes ``chapters/NN_slug.ipynb`` with its outputs and without volatile
    metadata (no timestamps, no interpreter version), so an unchanged checkout
    rebuilds to the same bytes except for wall-clock cells,
-4. renders ``_build/html/NN_slug.html`` plus an ``index.html`` linking them,
+4. renders the web edition into ``_build/html/`` (:mod:`kimilab.site`),
 5. prints a table of per-chapter run times (also ``_build/timings.json``).
 
 ``--only 02 05`` builds a subset; ``--no-html`` skips step 4.
@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import os
 import re
@@ -25,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["chapter_paths", "execute_chapter", "render_html", "main"]
+__all__ = ["chapter_paths", "execute_chapter", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
@@ -95,67 +94,6 @@ def execute_chapter(src: Path, *, timeout: int = 600) -> tuple[Path, float]:
     return out, seconds
 
 
-def _title(nb_path: Path) -> str:
-    import nbformat
-
-    nb = nbformat.read(nb_path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("# "):
-                    return line[2:].strip()
-    return nb_path.stem
-
-
-def _md_title(page: Path) -> str:
-    for line in page.read_text(encoding="utf-8").splitlines():
-        if line.startswith("# "):
-            return line[2:].strip()
-    return page.stem
-
-
-def _markdown_page(page: Path) -> str:
-    """A markdown file of chapters/ as a standalone HTML page (nbconvert's own markdown renderer)."""
-    from nbconvert.filters.markdown import markdown2html
-
-    body = markdown2html(page.read_text(encoding="utf-8"))
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_md_title(page))}</title>"
-            f"</head><body>\n{body}\n</body></html>\n")
-
-
-def render_html(nb_paths: list[Path], seconds: dict[str, float]) -> Path:
-    """Render each executed notebook to HTML and write an index linking them in order."""
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    BUILD.mkdir(parents=True, exist_ok=True)
-    exporter = HTMLExporter()
-    items = []
-    for path in nb_paths:
-        body, _ = exporter.from_notebook_node(nbformat.read(path, as_version=4))
-        (BUILD / f"{path.stem}.html").write_text(body, encoding="utf-8")
-        secs = seconds.get(path.stem)
-        when = f" <small>({secs:.1f} s)</small>" if secs is not None else ""
-        items.append(f'<li><a href="{path.stem}.html">{html.escape(_title(path))}</a>{when}</li>')
-    for page in sorted(CHAPTERS.glob("*.md")):  # e.g. references.md, which chapters link to
-        (BUILD / f"{page.stem}.html").write_text(_markdown_page(page), encoding="utf-8")
-        items.append(f'<li><a href="{page.stem}.html">{html.escape(_md_title(page))}</a></li>')
-    for out in BUILD.glob("*.html"):  # links between pages point at the rendered pages
-        text = out.read_text(encoding="utf-8")
-        fixed = re.sub(r'href="([a-z0-9_]+)\.(?:md|ipynb|py)(#[^"]*)?"', r'href="\1.html\2"', text)
-        if fixed != text:
-            out.write_text(fixed, encoding="utf-8")
-    index = BUILD / "index.html"
-    index.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>kimilab</title></head><body>\n"
-        "<h1>kimilab: serving a hybrid linear-attention model, on a CPU</h1>\n<ol>\n"
-        + "\n".join(items)
-        + "\n</ol>\n</body></html>\n",
-        encoding="utf-8",
-    )
-    return index
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kimilab.book", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
@@ -180,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds[src.stem] = secs
         built.append(out)
     if not args.no_html:
-        index = render_html(built, seconds)
+        from kimilab.site import build_site
+
+        index = build_site()
         print(f"HTML: {index.relative_to(ROOT)}")
     BUILD.mkdir(parents=True, exist_ok=True)
     (BUILD.parent / "timings.json").write_text(json.dumps(seconds, indent=1, sort_keys=True) + "\n")

@@ -16,7 +16,7 @@ MAX_LINES = 450
 
 # Lower number = lower layer. Top-level modules and subpackages of kimilab.
 LAYERS = {
-    "config": 0, "validate": 0, "timing": 0, "tokenizer": 0, "plots": 0, "notebook": 0, "exercises": 0,
+    "config": 0, "validate": 0, "timing": 0, "tokenizer": 0, "plots": 0, "notebook": 0,
     "ops": 1,
     "kda": 2, "traffic": 2,
     "costs": 3,
@@ -25,7 +25,7 @@ LAYERS = {
     "prefix": 6,
     "sim": 7, "spec": 7, "cp": 7, "engine": 7,
     "fleet": 8,
-    "book": 9,
+    "book": 9, "site": 9, "classroom": 9, "exercises": 9,
     "__main__": 10,
 }
 

@@ -54,4 +54,4 @@ def test_chapter_has_book_structure(src: Path):
     text = src.read_text(encoding="utf-8")
     for heading in ("What you'll build", "Summary", "Exercises"):
         assert heading in text, f"{src.name}: missing a '{heading}' section"
-    assert "check(" in text, f"{src.name}: no exercise checked by kimilab.exercises.check"
+    assert "verify(\"" in text, f"{src.name}: no exercise checked by kimilab.exercises.verify"

@@ -1,4 +1,4 @@
-"""Exercise checking: compare a reader's answer with a value kimilab computes."""
+"""The exercise check itself: compare a reader's answer with a value kimilab computes, and say what is off."""
 
 from __future__ import annotations
 
@@ -39,6 +39,27 @@ def _close(answer, expected, rtol: float, atol: float) -> bool:
     return bool(np.allclose(a, e, rtol=rtol, atol=atol))
 
 
+def _what_is_off(answer, expected) -> str:
+    """One clause on how a wrong answer differs: its shape, its type, or by what factor."""
+    if isinstance(expected, (str, bool)) or expected is None:
+        return ""
+    try:
+        a = np.asarray(answer, dtype=float)
+        e = np.asarray(expected, dtype=float)
+    except (TypeError, ValueError):
+        return f", which is not a number (expected a {type(expected).__name__})"
+    if a.shape != e.shape:
+        return f", of shape {a.shape} where {e.shape} is expected"
+    if a.ndim or not np.isfinite(a) or a == 0 or e == 0:
+        return ""
+    ratio = float(e / a)
+    if ratio <= 0:
+        return ", which has the wrong sign"
+    side = "too small" if ratio > 1 else "too large"
+    factor = max(ratio, 1 / ratio)
+    return f", {(factor - 1) * 100:.2g}% {side}" if factor < 1.5 else f", {side} by a factor of {factor:.3g}"
+
+
 def check(answer, expected, *, name: str, hint: str = "", rtol: float = 1e-6, atol: float = 0.0,
           verbose: bool = True) -> ExerciseResult:
     """Check an exercise answer and print a helpful message; never raises for a wrong answer.
@@ -51,10 +72,9 @@ def check(answer, expected, *, name: str, hint: str = "", rtol: float = 1e-6, at
     elif _close(answer, expected, rtol, atol):
         result = ExerciseResult(f"[{name}] correct.", True)
     else:
-        shown = answer if np.ndim(answer) == 0 else f"array of shape {np.shape(answer)}"
-        result = ExerciseResult(
-            f"[{name}] not quite: you gave {shown!r}. {hint}".rstrip(), False
-        )
+        shown = repr(answer) if np.ndim(answer) == 0 else "an array"
+        hint = f" Hint: {hint}" if hint else ""
+        result = ExerciseResult(f"[{name}] not quite: you gave {shown}{_what_is_off(answer, expected)}.{hint}", False)
     if verbose:
         print(result.message)
     return result
