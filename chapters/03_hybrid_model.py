@@ -273,7 +273,7 @@ print(f"fixed part (KDA + conv states): {kib(costs.checkpoint_bytes(tiny))}; KV 
 # `"step"`) and the cache differ:
 
 # %%
-show_source(Model._run)
+show_source(Model.run_layers)
 
 # %% [markdown]
 # Each layer object does its part against the cache; here is the KDA layer's:

@@ -9,7 +9,7 @@ forward pass agree to rounding error. The MLP is dense SwiGLU (Kimi Linear's
 MoE is not modelled); global layers use per-head MHA/GQA K and V (MLA's latent
 KV appears only in the analytic cost model, :mod:`kimilab.costs`).
 
-Three ways to run the same function, all through ONE layer loop (:meth:`Model._run`)
+Three ways to run the same function, all through ONE layer loop (:meth:`Model.run_layers`)
 that differs only in the KDA kernel and whether a cache is involved:
 
 * :meth:`Model.forward` — whole sequence, no cache, recurrent KDA and full attention.
@@ -112,12 +112,13 @@ class Model:
             raise ValueError(f"cache: built for config {cache.config.name!r}, model has {self.config.name!r}")
 
     # ----- the one layer loop ------------------------------------------------
-    def _run(self, tokens: np.ndarray, cache, capture, kernel: str) -> np.ndarray:
+    def run_layers(self, tokens: np.ndarray, cache, capture, kernel: str) -> np.ndarray:
         """Every layer over ``tokens``: the loop behind forward, prefill and decode.
 
         ``kernel`` is the KDA algorithm: "recurrent" (forward, no cache), "chunk"
         (prefill) or "step" (decode: one token, the residual stream h is [d]).
         With a cache, each layer reads and updates its part and ``advance`` runs once.
+        ``tokens`` must already be a checked int array (forward/prefill/decode check them).
         """
         step = kernel == "step"
         h = self.weights["embed"][tokens[0] if step else tokens]  # [T, d], or [d] for one step
@@ -139,7 +140,7 @@ class Model:
         tokens = self._tokens(tokens)
         if tokens.size == 0:
             raise ValueError("tokens: expected at least one token id for forward()")
-        return self._run(tokens, None, capture, "recurrent")
+        return self.run_layers(tokens, None, capture, "recurrent")
 
     def prefill(self, tokens: Iterable[int], cache, capture: dict | None = None) -> np.ndarray:
         """Absorb ``tokens`` into ``cache`` (chunked KDA); logits [T, vocab] for each of them.
@@ -151,7 +152,7 @@ class Model:
         self._check_cache(cache)
         if tokens.size == 0:
             return np.zeros((0, self.config.vocab_size), dtype=self.dtype)
-        return self._run(tokens, cache, capture, "chunk")
+        return self.run_layers(tokens, cache, capture, "chunk")
 
     def decode(self, token: int, cache, capture: dict | None = None) -> np.ndarray:
         """Absorb one token into ``cache`` with the recurrent KDA step; logits [vocab] after it."""
@@ -159,7 +160,7 @@ class Model:
             raise ValueError(f"token={token!r}: expected one int token id (use prefill for a sequence)")
         tok = self._tokens([int(token)], name="token")
         self._check_cache(cache)
-        return self._run(tok, cache, capture, "step")
+        return self.run_layers(tok, cache, capture, "step")
 
     def new_cache(self) -> HybridCache:
         """An empty contiguous cache for one request of this model."""
