@@ -59,6 +59,15 @@ METHODS: dict[str, tuple[str, str]] = {
     "ends+branch": ("ends+branch (= dual, alpha 0)", "#CC79A7"),
     "dual": ("dual (branch points + ends)", "#009E73"),
     "lru": ("LRU", "#56B4E9"),
+    # chapters 7-8: speculative decoding and rollback
+    "snapshot": ("snapshot per draft position", "#D55E00"),
+    "replay": ("projection replay", "#009E73"),
+    "ring": ("ring buffer", "#0072B2"),
+    "trim-only": ("KV trim only (wrong)", "#999999"),
+    "plain-decode": ("plain decoding", "#000000"),
+    "spec-k2": ("k = 2 drafts", "#56B4E9"),
+    "spec-k4": ("k = 4 drafts", "#E69F00"),
+    "spec-k8": ("k = 8 drafts", "#CC79A7"),
 }
 
 _FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]

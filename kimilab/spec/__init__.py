@@ -1,0 +1,28 @@
+"""Speculative decoding on a hybrid model, and the ways to undo a verify (chapters 7 and 8).
+
+One concept per module, in the order the chapters build them:
+
+* ``drafters``  Drafter: n-gram prompt lookup, a draft model, the controlled drafter
+* ``verify``    VerifyView, verify (one chunked forward), greedy_accept, the replay step
+* ``scratch``   SlotLayout, ScratchSlots: typed slots on a pool's scratch pages
+* ``rollback``  Rollback interface, TrimOnly (the broken trim), SnapshotRollback
+* ``replay``    ReplayRollback (projection replay), RingRollback (the ring buffer)
+* ``loop``      speculative_generate: draft -> verify -> accept -> roll back
+* ``measure``   rollback wall-clock time on the reduced model
+"""
+
+from kimilab.spec.drafters import ControlledDrafter, Drafter, DraftModelDrafter, NgramDrafter
+from kimilab.spec.loop import ROLLBACKS, SpecResult, StepStats, make_rollback, speculative_generate
+from kimilab.spec.measure import rollback_timings
+from kimilab.spec.replay import ReplayRollback, RingRollback
+from kimilab.spec.rollback import Rollback, SnapshotRollback, TrimOnly, checkpoint_at
+from kimilab.spec.scratch import ScratchSlots, SlotLayout, checkpoint_layout, conv_row_layout, record_layout
+from kimilab.spec.verify import VerifyView, conv_after, greedy_accept, state_steps, verify
+
+__all__ = [
+    "Drafter", "NgramDrafter", "DraftModelDrafter", "ControlledDrafter",
+    "VerifyView", "verify", "greedy_accept", "state_steps", "conv_after",
+    "SlotLayout", "ScratchSlots", "checkpoint_layout", "record_layout", "conv_row_layout",
+    "Rollback", "TrimOnly", "SnapshotRollback", "ReplayRollback", "RingRollback", "checkpoint_at",
+    "ROLLBACKS", "StepStats", "SpecResult", "make_rollback", "speculative_generate", "rollback_timings",
+]

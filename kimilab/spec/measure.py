@@ -1,0 +1,62 @@
+"""Rollback wall-clock time on the reduced model: what ``save`` and ``restore`` cost, per strategy.
+
+CPU seconds of numpy code, measured side by side in one process (best of a few runs):
+useful as ratios between strategies on this machine, not as GPU predictions. The
+analytic times at 48B sizes are :func:`kimilab.costs.spec.rollback_seconds`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from kimilab.model import Model
+from kimilab.pool import PagePool
+from kimilab.spec.loop import make_rollback
+from kimilab.spec.verify import verify
+from kimilab.validate import check_int
+
+__all__ = ["rollback_timings"]
+
+_PAGE_BYTES = 4096
+
+
+def rollback_timings(model: Model, rollback: str, k: int, keeps: Iterable[int], *, prompt_len: int = 64,
+                     repeats: int = 5, seed: int = 0) -> dict[int, dict[str, float]]:
+    """{keep: {"save": s, "restore": s}}: best seconds of one step's save and restore.
+
+    Each run clones a prefilled cache, makes a fresh strategy, does one untimed step
+    (so the ring's one-time allocation is not counted), then times a second verify of
+    k+1 random tokens: ``save``, and ``restore`` keeping ``keep`` positions.
+    """
+    k = check_int("k", k, 1)
+    repeats = check_int("repeats", repeats, 1)
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    base = model.new_cache()
+    model.prefill(rng.integers(0, vocab, check_int("prompt_len", prompt_len, 1)).tolist(), base)
+    windows = [rng.integers(0, vocab, k + 1).tolist() for _ in range(2)]
+    out = {}
+    for keep in keeps:
+        keep = check_int("keep", keep, 1)
+        if keep > k + 1:
+            raise ValueError(f"keeps: {keep} > k+1={k + 1} verified positions")
+        best = {"save": float("inf"), "restore": float("inf")}
+        for _ in range(repeats):
+            cache = base.clone()
+            pages = make_rollback(rollback, model, None, k).scratch_pages(_PAGE_BYTES)
+            strategy = make_rollback(rollback, model, PagePool(max(1, pages), _PAGE_BYTES), k)
+            try:
+                for step, window in enumerate(windows):
+                    if step:
+                        strategy.seconds = {"save": 0.0, "restore": 0.0}
+                    _, captures, view = verify(model, window, cache)
+                    strategy.save(view, captures)
+                    strategy.restore(cache, keep if step else 1)
+            finally:
+                strategy.close()
+            for part in best:
+                best[part] = min(best[part], strategy.seconds[part])
+        out[keep] = best
+    return out
