@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student classroom test lab sync bench parity clean
+.PHONY: setup book html student classroom experiment test lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ html: $(STAMP)
 # The classroom edition: student/NN_slug.ipynb with the solutions removed and outputs cleared.
 student: $(STAMP)
 	$(BIN)/python -m kimilab student
+
+# The book's experiment (chapter 11): results/part_a.json and results/part_a.md.
+experiment: $(STAMP)
+	$(BIN)/python -m kimilab experiment --out results
 
 # Unit + property tests, then strict nbval over every executed chapter.
 test: $(STAMP)
@@ -65,5 +69,5 @@ parity: $(PARITY)
 	$(BIN)/python -m pytest -q -m parity tests
 
 clean:
-	rm -rf _build figures student .hypothesis
+	rm -rf _build figures student results .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

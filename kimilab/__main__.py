@@ -9,6 +9,7 @@ Commands:
 * ``book``                  execute every chapter and render the book (same as ``make book``)
 * ``html``                  render the web edition from the stored chapters (``make html``)
 * ``student``               write the classroom edition without solutions (``make student``)
+* ``experiment``            the book's experiment: results/part_a.json and .md (``make experiment``)
 
 A bad argument or a bad trace line is one line on stderr naming it, and exit status 2.
 """
@@ -94,6 +95,11 @@ def _parser() -> _Parser:
 
     sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
     sub.add_parser("student", help="write the classroom edition: student/NN_slug.ipynb, solutions removed")
+
+    e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
+    e.add_argument("--out", default="results", help="directory for the result files")
+    e.add_argument("--sessions", type=int, default=2, help="sessions per workload")
+    e.add_argument("--repeats", type=int, default=1, help="wall-clock repeats (the best is kept)")
     return top
 
 
@@ -182,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kimilab import classroom
 
         return classroom.main()
+    if args.command == "experiment":
+        from kimilab.experiment import results
+
+        return results.main(["--out", args.out, "--sessions", str(args.sessions), "--repeats", str(args.repeats)])
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))

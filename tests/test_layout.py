@@ -25,7 +25,7 @@ LAYERS = {
     "prefix": 6,
     "sim": 7, "spec": 7, "cp": 7, "engine": 7,
     "fleet": 8,
-    "book": 9, "site": 9, "classroom": 9, "exercises": 9,
+    "experiment": 9, "book": 9, "site": 9, "classroom": 9, "exercises": 9,
     "__main__": 10,
 }
 
