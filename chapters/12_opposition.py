@@ -33,6 +33,7 @@
 # their crossovers in this chapter when those chapters land.
 
 # %%
+import shutil
 import tempfile
 
 import matplotlib.pyplot as plt
@@ -212,6 +213,7 @@ for turns in TURNS:
     for policy in ("ends", "dual"):
         jobs[("turns", turns, policy)] = Replay(path, policy, 40)
 runs = replay_many(jobs)
+shutil.rmtree(scratch)  # the generated traces were only needed by the replays
 for b in BLOCKS:
     r = runs["block", b]
     print(f"block {b:5,d}: attention hit {r.usable_hit_rate:.4f}, prefill saved {r.prefill_ms_saved_per_request:5.2f} ms; "
