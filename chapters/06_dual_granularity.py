@@ -691,3 +691,11 @@ verify("6.3", answer)
 # of prefill. On the real trace at 40 GB, sweep `prefix.make_policy("align", interval=i)`
 # for `i` in 512, 2,048, 8,192 and 32,768. What happens as the interval grows, and which
 # policy does `align` turn into at the long end?
+#
+# **6.9 (open) Cheaper checkpoints.** Most of the gap to `kv-only` at 160 GB is memory
+# the checkpoints take from KV. Store them in bf16 instead of fp32
+# (`CFG.with_(name="bf16 checkpoints", state_bytes=2)` for the replay's byte counts) and
+# replay `kv-only`, `ends` and `dual` (try `alpha=0.001`) at 160 GB with
+# `prefix.RunPrefixCache`. Does any policy keep 0.90 of the attention bound's usable hit?
+# What does a bf16 checkpoint cost that this replay cannot see (think of chapter 2's
+# error measurements, and of resuming from a rounded state)?
