@@ -7,6 +7,7 @@ One concept per module, in the order chapter 2 builds them:
 - :mod:`~kimilab.kda.naive`: the chunkwise algorithm written out plainly (one head, loops);
 - :mod:`~kimilab.kda.chunk`: the chunkwise (UT-transform) form, same result as matrix products;
 - :mod:`~kimilab.kda.transition`: a segment's affine map ``S_out = M S_in + C``;
+- :mod:`~kimilab.kda.affine`: one chunk pass whose outputs stay affine in the entering state;
 - :mod:`~kimilab.kda.testing`: seeded random inputs for tests, benchmarks and the book.
 
 Layouts follow flash-linear-attention: q, k, g ``[T, H, K]``; v ``[T, H, V]``; beta
@@ -14,6 +15,7 @@ Layouts follow flash-linear-attention: q, k, g ``[T, H, K]``; v ``[T, H, V]``; b
 The public functions are re-exported here: ``from kimilab import kda; kda.chunk_kda(...)``.
 """
 
+from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
 from kimilab.kda.chunk import chunk_kda, chunk_kda_flops
 from kimilab.kda.gate import beta_from_logits, kda_gate, kda_gate_lowerbound, l2_normalize, sigmoid, softplus
 from kimilab.kda.naive import naive_chunk_kda
@@ -32,4 +34,6 @@ __all__ = [
     # transition
     "segment_transition", "apply_transition", "compose_transitions", "identity_transition",
     "linear_attention_state",
+    # affine
+    "chunk_kda_affine", "apply_affine_outputs",
 ]

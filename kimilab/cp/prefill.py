@@ -1,0 +1,81 @@
+"""Context-parallel prefill of the whole hybrid model: one prompt across P ranks, same logits.
+
+Per layer, each rank works on its slice of the residual stream. A KDA layer needs two
+things from earlier ranks: the conv's halo (the last W-1 raw conv inputs before the
+slice, all-gathered as each rank's tail) and the state entering the slice
+(:func:`~kimilab.cp.kda_cp.cp_kda_rank`). A global-attention layer runs ring attention
+(:func:`~kimilab.cp.ring.ring_attention_rank`). Everything else is per token. The final
+cache is the last rank's KDA and conv states plus every rank's keys and values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kimilab.cp.comm import run_local
+from kimilab.cp.kda_cp import cp_kda_rank
+from kimilab.cp.ring import ring_attention_rank
+from kimilab.cp.split import slices, split_bounds
+from kimilab.model import HybridCache
+from kimilab.model.layers import rms_norm
+
+__all__ = ["cp_prefill_rank", "context_parallel_prefill"]
+
+
+def _conv_halo(comm, layer, x, W: int):
+    """The W-1 raw conv inputs before this rank's slice (zeros before the prompt's start)."""
+    _, tail = layer.project(x[-(W - 1):])  # the last W-1 raw inputs of this slice (zero-padded)
+    tails = comm.allgather(tail[-min(len(x), W - 1):])
+    earlier = [np.zeros_like(tail)] + tails[:comm.rank]
+    return np.concatenate(earlier, axis=0)[-(W - 1):]
+
+
+def cp_prefill_rank(comm, model, tokens, start: int) -> tuple[np.ndarray, dict]:
+    """This rank's logits for its slice (global positions start..), and its part of the cache.
+
+    The cache part: per KDA layer (state after the slice, conv state after it), per
+    attention layer (k, v) of the slice.
+    """
+    cfg = model.config
+    h = model.weights["embed"][np.asarray(tokens)]
+    part = {}
+    for layer, mlp in zip(model.layers, model.mlps):
+        x = rms_norm(h, layer.norm)
+        if layer.kind == "A":
+            q, k, v = layer.project(x)
+            out = layer.output(ring_attention_rank(comm, q, k, v, start))
+            part[layer.index] = (k, v)
+        else:
+            cap, conv = layer.project(x, _conv_halo(comm, layer, x, cfg.conv_kernel))
+            o, S = cp_kda_rank(comm, *cap.kernel_inputs(), chunk_size=cfg.chunk_size)
+            out = layer.output(x, o)
+            part[layer.index] = (S, conv)
+        h = h + out
+        h = h + mlp(h)
+    return rms_norm(h, model.weights["final_norm"]) @ model.weights["lm_head"], part
+
+
+def context_parallel_prefill(model, tokens, ranks: int | None = None, bounds=None) -> tuple[np.ndarray, HybridCache]:
+    """Prefill ``tokens`` across in-process ranks: (logits [T, vocab], a filled HybridCache).
+
+    Cut evenly into ``ranks`` slices, or at ``bounds`` (P + 1 increasing cut points).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    bounds = split_bounds(len(tokens), ranks or 1) if bounds is None else [int(b) for b in bounds]
+    if bounds[0] != 0 or bounds[-1] != len(tokens) or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds={bounds}: expected strictly increasing cut points from 0 to T={len(tokens)}")
+    ranks = len(bounds) - 1
+    parts = [(tokens[s], s.start) for s in slices(bounds)]
+    results, _ = run_local(ranks, lambda comm: cp_prefill_rank(comm, model, *parts[comm.rank]))
+    cache = HybridCache(model.config)
+    for layer in model.layers:
+        i = layer.index
+        if layer.kind == "A":
+            for _, part in results:
+                cache.append_kv(i, *part[i])
+        else:
+            S, conv = results[-1][1][i]
+            cache.set_kda_state(i, S)
+            cache.set_conv_state(i, conv)
+    cache.advance(len(tokens))
+    return np.concatenate([logits for logits, _ in results], axis=0), cache
