@@ -10,6 +10,8 @@ Commands:
 * ``html``                  render the web edition from the stored chapters (``make html``)
 * ``student``               write the classroom edition without solutions (``make student``)
 * ``experiment``            the book's experiment: results/part_a.json and .md (``make experiment``)
+* ``fleet TRACE...``        serve traces (one tenant each) on a fleet of engines; one JSON object
+* ``cp --tokens T``         context-parallel KDA on the ranks of ``mpiexec -n P``; one JSON object
 
 A bad argument or a bad trace line is one line on stderr naming it, and exit status 2.
 """
@@ -100,7 +102,95 @@ def _parser() -> _Parser:
     e.add_argument("--out", default="results", help="directory for the result files")
     e.add_argument("--sessions", type=int, default=2, help="sessions per workload")
     e.add_argument("--repeats", type=int, default=1, help="wall-clock repeats (the best is kept)")
+    f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
+                       description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
+                                   "fleet of continuous-batching engines on simulated time; print one JSON object.")
+    f.add_argument("traces", nargs="+", metavar="TRACE.jsonl", help="Mooncake jsonl traces, one tenant each")
+    f.add_argument("--instances", type=_positive_int, required=True, help="engine instances")
+    f.add_argument("--router", required=True, choices=["round-robin", "least-loaded", "prefix-affinity", "state-aware"])
+    f.add_argument("--isolation", default="none", choices=["none", "quota"],
+                   help="quota: per-tenant reserved cache share and fair (virtual token counter) admission")
+    f.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
+                   help="each instance's pool in tokens of KV (running requests + prefix cache); 'inf' for no limit")
+    f.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS))
+    f.add_argument("--rate-scale", type=_positive_float, default=1.0, help="divide arrival times by X (default 1)")
+    f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
+                   help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
+    c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
+                       description="Run KDA context-parallel on seeded inputs across the ranks of "
+                                   "`mpiexec -n P python -m kimilab cp`, and one rank alone in the same run; "
+                                   "rank 0 prints one JSON object.")
+    c.add_argument("--tokens", type=_positive_int, required=True, help="prompt length T")
+    c.add_argument("--heads", type=_positive_int, default=4)
+    c.add_argument("--dim", type=_positive_int, default=64, help="K = V")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree"])
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--even", action="store_true", help="equal slices (default: rank 0 takes more, to balance)")
+    c.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds any blocking call may wait")
     return top
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return value
+
+
+def _failure(text: str) -> tuple[int, float]:
+    inst, sep, at = text.partition("@")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected INSTANCE@SECONDS")
+    try:
+        i, t = int(inst), float(at)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected INSTANCE@SECONDS (an int and a number)") from None
+    if i < 0 or not 0 <= t < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a non-negative instance and time")
+    return i, t
+
+
+def _fleet(args, parser) -> int:
+    from kimilab.config import preset
+    from kimilab.fleet import run_fleet
+    from kimilab.fleet.tenants import load_tenants
+
+    for i, _ in args.fail:
+        if i >= args.instances:
+            parser.error(f"--fail {i}@...: expected an instance below --instances={args.instances}")
+    if args.capacity_tokens is not None and args.capacity_tokens < 512:
+        parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one 512-token block")
+    try:
+        requests = load_tenants(args.traces)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    if not requests:
+        parser.error("the traces hold no requests")
+    try:
+        result = run_fleet(requests, preset(args.model), instances=args.instances, router=args.router,
+                           capacity_tokens=args.capacity_tokens, isolation=args.isolation,
+                           rate_scale=args.rate_scale, fails=args.fail)
+    except (ValueError, RuntimeError) as err:
+        parser.error(str(err))
+    print(json.dumps(result.summary()))
+    return 0
+
+
+def _cp(args, parser) -> int:
+    from kimilab.cp.launch import mpi_run
+
+    try:
+        out = mpi_run(args.tokens, args.heads, args.dim, args.dtype, seed=args.seed, scheme=args.scheme,
+                      affine_cost=None if args.even else 1.25, timeout=args.timeout)
+    except (ValueError, TimeoutError) as exc:
+        parser.error(str(exc))
+    if out is not None:
+        print(json.dumps(out))
+    return 0
 
 
 def _prefix(args, parser) -> int:
@@ -180,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _traces(args, sub._subparsers._group_actions[0].choices[args.traces_command])
     if args.command == "memory":
         return _memory(args)
+    if args.command == "cp":
+        return _cp(args, sub)
+    if args.command == "fleet":
+        return _fleet(args, sub)
     if args.command == "html":
         from kimilab import site
 

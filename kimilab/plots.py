@@ -68,6 +68,19 @@ METHODS: dict[str, tuple[str, str]] = {
     "spec-k2": ("k = 2 drafts", "#56B4E9"),
     "spec-k4": ("k = 4 drafts", "#E69F00"),
     "spec-k8": ("k = 8 drafts", "#CC79A7"),
+    # chapter 10: routers and isolation
+    "round-robin": ("round-robin", "#999999"),
+    "least-loaded": ("least-loaded", "#0072B2"),
+    "prefix-affinity": ("prefix affinity (KV hit, SGLang-style)", "#E69F00"),
+    "state-aware": ("state-aware affinity (usable hit)", "#009E73"),
+    "isolation-none": ("no isolation (FIFO, shared cache)", "#D55E00"),
+    "isolation-quota": ("quotas + fair admission (VTC)", "#009E73"),
+    # chapter 9: context parallelism
+    "cp-sequential": ("sequential state pass", "#E69F00"),
+    "cp-allgather": ("all-gather + local fold (fla)", "#009E73"),
+    "cp-tree": ("log-depth tree scan", "#0072B2"),
+    "cp-wall": ("wall clock, this machine (2 cores)", "#000000"),
+    "cp-predicted": ("cost model, GPU cluster (assumed)", "#999999"),
 }
 
 _FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]

@@ -1,0 +1,281 @@
+"""A continuous-batching engine on the hybrid cache, on deterministic simulated time.
+
+Each step serves every decoding request one token and fills the rest of a token
+budget with prefill chunks (chunked prefill, as vLLM and SGLang schedule).
+Requests are admitted against ONE page pool (:class:`InstanceMemory`) that also
+holds the prefix cache: an admitted request pins its prompt's blocks in the
+cache (its usable hit is where its prefill starts), takes pages for its live
+KDA/conv states and for its KV past the cached blocks, and grows one page at a
+time while decoding. When the pool is full (after evicting unpinned cache) the
+newest running request is preempted and later recomputed from its usable hit;
+a finished request unpins its blocks, which stay cached. Step times come from
+:class:`StepTimer` (the ``costs`` roofline at real sizes). Steps that only
+decode are fast-forwarded in one go until the next page boundary, finish or
+arrival, so traces of any length run in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kimilab.config import ModelConfig
+from kimilab.costs import DEFAULT_DEPLOYMENT, Deployment
+from kimilab.engine.fairness import FairQueue, FifoQueue
+from kimilab.engine.live import Finished, Live
+from kimilab.engine.memory import InstanceMemory
+from kimilab.engine.steptime import StepTimer
+from kimilab.validate import check_int
+
+__all__ = ["Engine", "prompt_of"]
+
+
+def prompt_of(req) -> dict:
+    """The prefix-cache lookup arguments of a request: its tokens, or its hash ids and length."""
+    if req.tokens is not None:
+        return {"tokens": req.tokens}
+    return {"keys": req.hash_ids if req.hash_ids is not None else (), "n_tokens": req.input_length}
+
+
+class Engine:
+    """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``."""
+
+    def __init__(self, config: ModelConfig, *, capacity_tokens: int | None, block_size: int = 512,
+                 token_budget: int = 8192, max_batch: int = 256, policy: str = "dual",
+                 quotas: dict[str, float] | None = None, fair: bool = False,
+                 deployment: Deployment = DEFAULT_DEPLOYMENT, timer: StepTimer | None = None,
+                 index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False):
+        self.config, self.block = config, check_int("block_size", block_size, 1)
+        self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
+        self.max_batch = check_int("max_batch", max_batch, 1)
+        self.capacity_tokens, self.policy, self.quotas = capacity_tokens, policy, quotas
+        self.memory = InstanceMemory(config, block_size=block_size, capacity_tokens=capacity_tokens,
+                                     policy=policy, quotas=quotas)
+        self.timer = timer or StepTimer(config, deployment)
+        self.queue = FairQueue() if fair else FifoQueue()
+        self.index, self.bucket_s = index, bucket_s
+        self.running: list[Live] = []
+        self.finished: list[Finished] = []
+        self.refused: list = []
+        self.clock = 0.0
+        self.alive = True
+        self.busy: dict[int, float] = {}  # time bucket -> busy seconds
+        self.steps: list | None = [] if keep_steps else None  # (start_s, dt_s, k, n_decode, prefill_tokens)
+        self.n_steps = self.preemptions = 0
+        self._blocked = False  # the queue head did not fit; retry after memory is freed
+        self._seq = 0
+
+    # ----- what routers read ------------------------------------------------
+    @property
+    def load(self) -> int:
+        """Requests running or waiting here."""
+        return len(self.running) + len(self.queue)
+
+    @property
+    def cache_pages(self) -> int:
+        """Pages in use plus the prompt blocks of queued requests (what SGLang's router tree counts
+        as soon as it routes a request, before the instance admits it)."""
+        return self.memory.pool.n_used + sum(l.req.input_length // self.block for l in self.queue)
+
+    def match(self, req) -> tuple[int, int]:
+        """(KV hit, usable hit) a request would get here now, without touching the cache."""
+        cache = self.memory.cache(req.tenant)
+        m = cache.tree.match(**prompt_of(req))
+        limit = req.input_length - 1
+        kv = min(m.hit_tokens, limit)
+        if cache.policy.free_states:
+            return kv, kv
+        for node in reversed(m.nodes):
+            if node.payload is not None and node.end <= limit:
+                return kv, node.end
+        return kv, 0
+
+    # ----- requests -----------------------------------------------------------
+    def fits_alone(self, req) -> bool:
+        """Could the request run in an empty pool (its blocks, states and a checkpoint or two)?"""
+        mem = self.memory
+        pages = -(-(req.input_length + req.output_length + 1) // self.block) + 3 * mem.state_pages
+        return pages <= mem.pool.n_pages
+
+    def submit(self, live: Live) -> None:
+        if not self.alive:
+            raise RuntimeError(f"instance {self.index} has failed: route elsewhere")
+        if not self.fits_alone(live.req):
+            self.refused.append(live)
+            return
+        live.instance = self.index
+        self.queue.push(live)
+
+    def _free_own(self, live: Live) -> None:
+        pool = self.memory.pool
+        for a in live.allocs:
+            pool.free(a)
+        live.allocs = []
+        live.cache.finish(live.path)
+        live.path, live.cache = [], None
+        self._blocked = False
+
+    def _admit(self, live: Live) -> bool:
+        mem, req = self.memory, live.req
+        cache = mem.cache(req.tenant)
+        out, path, _, _ = cache.begin(**prompt_of(req))
+        base = path[-1].end if path else 0
+        live.ctx = req.input_length + live.generated
+        kv_pages = -(-(live.ctx + 1 - base) // self.block)
+        full = (req.input_length // self.block) * self.block
+        if base < full or not mem.make_room(req.tenant, mem.state_pages + kv_pages):
+            cache.finish(path)
+            return False
+        pool = mem.pool
+        live.allocs = [pool.allocate("kda_state", mem.state_pages), pool.allocate("kv", kv_pages)]
+        live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
+        live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit
+        live.served += out.usable_hit
+        live.computed += live.ctx - out.usable_hit
+        live.contexts += live.ctx
+        if live.admissions == 0:
+            live.first_hit, live.first_kv_hit = out.usable_hit, out.kv_hit
+        live.admissions += 1
+        self._seq += 1
+        live.seq = self._seq
+        return True
+
+    def _preempt_newest(self) -> Live:
+        victim = self.running.pop()
+        self._free_own(victim)
+        victim.preemptions += 1
+        self.preemptions += 1
+        victim.done = 0
+        self.queue.push_front(victim)
+        return victim
+
+    def _grow(self, live: Live) -> bool:
+        """Room for one more token of a decoding request; False if it was preempted itself."""
+        mem = self.memory
+        while live.base + live.own_tokens < live.req.input_length + live.generated + 1:
+            if mem.make_room(live.req.tenant, 1):
+                live.allocs.append(mem.pool.allocate("kv", 1))
+                live.own_tokens += self.block
+            elif self._preempt_newest() is live:
+                return False
+        return True
+
+    def _finish(self, live: Live) -> None:
+        self.running.remove(live)
+        self._free_own(live)
+        r = live.req
+        self.finished.append(Finished(r.request_id, r.tenant, self.index, live.arrival_s, live.first_token_s,
+                                      self.clock, r.input_length, r.output_length, live.first_hit,
+                                      live.first_kv_hit, live.served, live.computed, live.preemptions,
+                                      live.restarts, live.generated, live.contexts))
+
+    # ----- time ---------------------------------------------------------------
+    def _record_busy(self, start: float, dt: float) -> None:
+        w, busy = self.bucket_s, self.busy
+        while dt > 0:
+            b = int(start // w)
+            part = min(dt, (b + 1) * w - start)
+            busy[b] = busy.get(b, 0.0) + part
+            start += part
+            dt -= part
+
+    def _step(self, until: float) -> bool:
+        """Run one step (or a run of identical decode steps); False if there was nothing to run."""
+        running, queue = self.running, self.queue
+        if not self._blocked:
+            pending = sum(l.ctx - l.done for l in running if l.done < l.ctx)
+            while len(queue) and len(running) < self.max_batch and pending < self.budget:
+                live = queue.peek()
+                if not self._admit(live):
+                    self._blocked = True
+                    break
+                assert queue.pop() is live
+                queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)  # after the pop: it reorders
+                running.append(live)
+                pending += live.ctx - live.done
+        if not running:
+            if not len(queue):
+                return False
+            for cache in self.memory.all_caches():  # idle, and the head still does not fit: its own
+                cache.evict_all()  # path's checkpoints pin memory; start it from an empty cache
+            live = queue.pop()
+            if self._admit(live):
+                queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)
+                running.append(live)
+            else:
+                self.refused.append(live)
+            self._blocked = False
+            return True
+        for live in list(running):
+            if live.done >= live.ctx and live in running:
+                self._grow(live)
+        decoders = [l for l in running if l.done >= l.ctx]
+        budget = self.budget - len(decoders)
+        chunks = []
+        for l in running:
+            if l.done < l.ctx and budget > 0:
+                c = min(l.ctx - l.done, budget)
+                chunks.append((l, c))
+                budget -= c
+        n_dec = len(decoders)
+        mean_ctx = sum(l.req.input_length + l.generated for l in decoders) / n_dec if n_dec else 0
+        dt = self.timer.decode(n_dec, mean_ctx) + sum(self.timer.chunk(c, l.done) for l, c in chunks)
+        k = 1
+        if not chunks and (self._blocked or not len(queue)):  # nothing changes until an event: jump
+            k = min(min(l.req.output_length - l.generated,
+                        l.base + l.own_tokens - l.req.input_length - l.generated) for l in decoders)
+            if until != math.inf:
+                k = min(k, max(1, math.ceil((until - self.clock) / dt)))
+            k = max(k, 1)
+        start = self.clock
+        self.clock += k * dt
+        self._record_busy(start, k * dt)
+        self.n_steps += k
+        if self.steps is not None:
+            self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
+        for l in decoders:
+            l.generated += k
+        for l, c in chunks:
+            l.done += c
+            if l.done >= l.ctx and l.generated < l.req.output_length:  # the prefill's last logits: one token
+                l.generated += 1
+                if l.first_token_s is None:
+                    l.first_token_s = self.clock
+        for l in decoders:
+            self.queue.charge(l.req.tenant, output_tokens=k)
+        for l in [l for l in running if l.done >= l.ctx and l.generated >= l.req.output_length]:
+            if l.first_token_s is None:  # asked for no tokens: done when its prefill is
+                l.first_token_s = self.clock
+            self._finish(l)
+        return True
+
+    def advance(self, until: float) -> None:
+        """Run steps that start before ``until`` (the last may end after it); idle time is skipped."""
+        while self.alive and self.clock < until:
+            if not self._step(until):
+                if until != math.inf:
+                    self.clock = until
+                return
+
+    def drain(self) -> None:
+        """Run until nothing is left."""
+        self.advance(math.inf)
+
+    def fail(self) -> list[Live]:
+        """The instance dies: its pool, cache and running requests are lost; returns them to re-route."""
+        lost = self.running + self.queue.clear()
+        self.running = []
+        for live in lost:
+            live.allocs, live.path, live.cache, live.done = [], [], None, 0
+            live.restarts += 1
+        self.alive = False
+        self.memory = None
+        return lost
+
+    def check_no_leak(self) -> None:
+        """After the last request: nothing pinned, every used page belongs to a cache."""
+        mem = self.memory
+        assert not self.running and not len(self.queue)
+        for cache in mem.all_caches():
+            cache.check_invariants() if mem.quotas is None else cache.tree.check_invariants()
+            assert all(n.refcount == 0 for n in cache.tree.nodes()), "a finished request left its path pinned"
+        assert mem.pool.n_used == sum(mem.cached_pages().values()), (mem.pool.n_used, mem.cached_pages())

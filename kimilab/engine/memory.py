@@ -1,0 +1,114 @@
+"""One instance's memory: ONE page pool holding running requests and the prefix cache, with quotas.
+
+Without isolation every tenant shares one :class:`~kimilab.prefix.HybridPrefixCache`
+(KV blocks + state checkpoints, the ``dual`` policy by default). With quotas each
+tenant gets its own cache on the same pool (no prefix crosses tenants) and a
+reserved share of the pool's pages: when a tenant needs memory, the caches of
+tenants above their reserved share are evicted first (most over first), then its
+own; another tenant's cache is never evicted below its share on its behalf.
+``foreign_evictions`` records each page count taken from another tenant, and the
+pages it was left with, so the isolation invariant can be checked.
+"""
+
+from __future__ import annotations
+
+from kimilab.config import ModelConfig
+from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
+from kimilab.prefix import HybridPrefixCache, make_policy
+from kimilab.prefix.hybrid import shared_costs
+
+__all__ = ["InstanceMemory"]
+
+
+class InstanceMemory:
+    """A pool of ``capacity_tokens // block_size`` pages and the prefix cache(s) on it."""
+
+    def __init__(self, config: ModelConfig, *, block_size: int = 512, capacity_tokens: int | None,
+                 policy: str = "dual", quotas: dict[str, float] | None = None):
+        self.config, self.block_size, self.policy_name = config, block_size, policy
+        costs = shared_costs(config)
+        n_pages = UNBOUNDED_PAGES if capacity_tokens is None else max(1, capacity_tokens // block_size)
+        self.pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token, backed=False, name="instance")
+        self.costs = costs
+        self.state_pages = -(-costs.checkpoint_bytes // self.pool.page_bytes)  # a live request's KDA + conv states
+        self.quotas = dict(quotas) if quotas else None
+        self.caches: dict[str, HybridPrefixCache] = {}
+        self.reserved: dict[str, int] = {}
+        self.foreign_evictions: list[tuple[str, str, int, int]] = []  # (for, from, pages before, after)
+        if self.quotas is None:
+            self._shared = self._new_cache()
+        else:
+            for tenant, share in self.quotas.items():
+                self.reserved[tenant] = int(share * min(n_pages, UNBOUNDED_PAGES))
+
+    def _new_cache(self) -> HybridPrefixCache:
+        cache = HybridPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs)
+        return cache
+
+    def cache(self, tenant: str) -> HybridPrefixCache:
+        """The prefix cache a tenant's requests read and fill."""
+        if self.quotas is None:
+            return self._shared
+        cache = self.caches.get(tenant)
+        if cache is None:
+            cache = self.caches[tenant] = self._new_cache()
+            cache.tree.reclaim = lambda n, t=tenant: self.reclaim(t, n)
+            self.reserved.setdefault(tenant, 0)
+        return cache
+
+    @staticmethod
+    def _pages(cache: HybridPrefixCache) -> int:
+        return cache.kv_pages + cache.checkpoint_pages_used
+
+    def reclaim(self, tenant: str, n_pages: int) -> bool:
+        """Evict cached pages until ``n_pages`` are free, on behalf of ``tenant``."""
+        pool = self.pool
+        if self.quotas is None:
+            return self._shared.reclaim(n_pages)
+        own = self.cache(tenant)
+        if pool.n_free + own.tree._spare_pages >= n_pages:
+            return True
+        over = sorted(((self._pages(c) - self.reserved[t], t) for t, c in self.caches.items() if t != tenant),
+                      reverse=True)
+        for excess, other in over:
+            deficit = n_pages - pool.n_free - own.tree._spare_pages
+            if deficit <= 0:
+                return True
+            if excess <= 0:
+                break
+            cache = self.caches[other]
+            before = self._pages(cache)
+            floor = self.reserved[other]
+            target = pool.n_free + min(deficit, excess)
+            tree = cache.tree
+            while pool.n_free < target and self._pages(cache) > floor:  # one unit at a time, never below the share
+                leaf, ck = tree.peek_evictable(), cache._peek_checkpoint()
+                if leaf is None and ck is None:
+                    break
+                if ck is not None and (leaf is None or ck.payload.priority < leaf.priority):
+                    if self._pages(cache) - cache.checkpoint_pages < floor:
+                        break
+                    cache._drop_checkpoint(ck)
+                    tree.requeue(ck)
+                else:
+                    cost = tree.allocs_per_node + (cache.checkpoint_pages if leaf.payload is not None else 0)
+                    if self._pages(cache) - cost < floor:
+                        break
+                    tree._evict(leaf)
+            after = self._pages(cache)
+            if after < before:
+                self.foreign_evictions.append((tenant, other, before, after))
+        return own.reclaim(n_pages)
+
+    def make_room(self, tenant: str, n_pages: int) -> bool:
+        """Free ``n_pages`` pool pages for a request of ``tenant`` (evicting unpinned cache)."""
+        return n_pages <= self.pool.n_free or self.reclaim(tenant, n_pages) or n_pages <= self.pool.n_free
+
+    def cached_pages(self) -> dict[str, int]:
+        """Pages each tenant's cache holds (one entry "*" when tenants share the cache)."""
+        if self.quotas is None:
+            return {"*": self._pages(self._shared)}
+        return {t: self._pages(c) for t, c in self.caches.items()}
+
+    def all_caches(self) -> list[HybridPrefixCache]:
+        return [self._shared] if self.quotas is None else list(self.caches.values())

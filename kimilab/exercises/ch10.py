@@ -1,0 +1,33 @@
+"""Chapter 10's checked exercises: one decode step, a reserved share, and a fleet run."""
+
+from pathlib import Path
+
+from kimilab import costs
+from kimilab.config import kimi_linear_48b
+from kimilab.exercises import exercise
+
+DATA = Path(__file__).resolve().parent.parent.parent / "data"
+
+
+@exercise("10.1", "one decode step", rtol=1e-6,
+          hint="costs.decode_step_seconds(kimi_linear_48b, 8192, 64): seconds, on the default deployment.")
+def _():
+    return costs.decode_step_seconds(kimi_linear_48b, 8192, 64)
+
+
+@exercise("10.2", "a tenant's reserved pages",
+          hint="pool pages = capacity_tokens // 512; each of the 2 tenants reserves 0.5 / 2 of them (int()).")
+def _():
+    return int(0.25 * (1_000_000 // 512))
+
+
+@exercise("10.3", "least-loaded's usable hit", rtol=1e-9,
+          hint="run_fleet on the first 1,000 requests of the real trace, 4 instances, 'least-loaded', "
+               "capacity_tokens=2_000_000, rate_scale=1; take usable_hit_rate().")
+def _():
+    from kimilab.fleet import run_fleet
+    from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
+
+    reqs = load_trace(DATA / MOONCAKE_CONVERSATION)[:1000]
+    return run_fleet(reqs, kimi_linear_48b, instances=4, router="least-loaded",
+                     capacity_tokens=2_000_000).usable_hit_rate()

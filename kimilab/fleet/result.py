@@ -1,0 +1,116 @@
+"""What a fleet run measured: per-request latencies and hits, per-instance busy time, and summaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["FleetResult"]
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return round(float(np.percentile(x, q)), 6) if x.size else 0.0
+
+
+@dataclass
+class FleetResult:
+    """Columns over finished requests (simulated seconds), in finishing order per instance."""
+
+    router: str
+    isolation: str
+    requests: int
+    n_instances: int
+    tenant: np.ndarray
+    instance: np.ndarray
+    arrival_s: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    e2e_s: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    usable_hit: np.ndarray  # tokens, at each request's first admission
+    kv_hit: np.ndarray
+    served: np.ndarray  # cached tokens, all admissions
+    computed: np.ndarray  # prefilled tokens, all admissions
+    preemptions: int
+    restarts: int
+    refused: int
+    bucket_s: float
+    busy_s: np.ndarray  # [instance, time bucket] busy seconds
+    failures: list = field(default_factory=list)
+    wall_seconds: float = 0.0
+    request_ids: np.ndarray = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
+        done = sorted((f for e in fleet.instances for f in e.finished), key=lambda f: (f.arrival_s, f.request_id))
+        col = lambda fn, dt=float: np.array([fn(f) for f in done], dtype=dt)  # noqa: E731
+        n_buckets = 1 + max((max(e.busy, default=0) for e in fleet.instances), default=0)
+        busy = np.zeros((len(fleet.instances), n_buckets))
+        for e in fleet.instances:
+            for b, s in e.busy.items():
+                busy[e.index, b] = s
+        return cls(fleet.router.name, fleet.isolation, n_requests, len(fleet.instances),
+                   np.array([f.tenant for f in done], dtype=object), col(lambda f: f.instance, int),
+                   col(lambda f: f.arrival_s), col(lambda f: f.ttft), col(lambda f: f.tpot), col(lambda f: f.e2e),
+                   col(lambda f: f.input_length, int), col(lambda f: f.output_length, int),
+                   col(lambda f: f.usable_hit, int), col(lambda f: f.kv_hit, int), col(lambda f: f.served, int),
+                   col(lambda f: f.computed, int), sum(f.preemptions for f in done),
+                   sum(f.restarts for f in done), sum(len(e.refused) for e in fleet.instances),
+                   fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
+                   col(lambda f: f.request_id, int))
+
+    @property
+    def finished(self) -> int:
+        return int(self.ttft_s.size)
+
+    def usable_hit_rate(self, mask=None) -> float:
+        m = slice(None) if mask is None else mask
+        total = self.input_tokens[m].sum()
+        return float(self.usable_hit[m].sum() / total) if total else 0.0
+
+    def _latency(self, m) -> dict:
+        multi = self.output_tokens[m] > 1
+        return {"requests": int(np.count_nonzero(m) if not isinstance(m, slice) else self.finished),
+                "ttft_p50_s": _pct(self.ttft_s[m], 50), "ttft_p99_s": _pct(self.ttft_s[m], 99),
+                "tpot_p50_s": _pct(self.tpot_s[m][multi], 50), "tpot_p99_s": _pct(self.tpot_s[m][multi], 99),
+                "e2e_p99_s": _pct(self.e2e_s[m], 99), "usable_hit_rate": round(self.usable_hit_rate(m), 6)}
+
+    def utilisation(self) -> np.ndarray:
+        """Busy fraction per instance and time bucket."""
+        return self.busy_s / self.bucket_s
+
+    def window(self, width_s: float) -> dict:
+        """TTFT p99 and usable hit rate of the requests arriving in each ``width_s`` window."""
+        if not self.finished:
+            return {"t_s": np.zeros(0), "ttft_p99_s": np.zeros(0), "usable_hit_rate": np.zeros(0)}
+        idx = (self.arrival_s // width_s).astype(int)
+        ts, p99, hit = [], [], []
+        for b in range(idx.max() + 1):
+            m = idx == b
+            if m.any():
+                ts.append((b + 0.5) * width_s)
+                p99.append(float(np.percentile(self.ttft_s[m], 99)))
+                hit.append(self.usable_hit_rate(m))
+        return {"t_s": np.array(ts), "ttft_p99_s": np.array(p99), "usable_hit_rate": np.array(hit)}
+
+    def summary(self) -> dict:
+        """The fleet CLI's JSON object (fixed key order)."""
+        out = {"router": self.router, "isolation": self.isolation, "requests": self.requests,
+               "finished": self.finished, "refused": self.refused}
+        lat = self._latency(slice(None))
+        del lat["requests"]
+        out.update(lat)
+        out.update({"prompt_tokens": int(self.input_tokens.sum()), "usable_hit_tokens": int(self.usable_hit.sum()),
+                    "kv_hit_rate": round(float(self.kv_hit.sum() / max(self.input_tokens.sum(), 1)), 6),
+                    "preemptions": self.preemptions, "restarts": self.restarts,
+                    "failures": [{"instance": i, "at_s": t} for i, t in self.failures]})
+        out["tenants"] = {t: self._latency(self.tenant == t) for t in dict.fromkeys(self.tenant.tolist())}
+        util = self.utilisation()
+        span = max(util.shape[1], 1)
+        out["instances"] = [{"instance": i, "requests": int(np.count_nonzero(self.instance == i)),
+                             "usable_hit_rate": round(self.usable_hit_rate(self.instance == i), 6),
+                             "busy_fraction": round(float(util[i].sum() / span), 6)} for i in range(self.n_instances)]
+        out["wall_seconds"] = round(self.wall_seconds, 3)
+        return out

@@ -1,0 +1,28 @@
+"""Independent fleet runs spread over processes (a sweep of routers x rates is embarrassingly parallel)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from kimilab.config import preset
+from kimilab.fleet.fleet import run_fleet
+
+__all__ = ["run_many"]
+
+
+def _one(job: tuple) -> object:
+    requests, model, kwargs = job
+    result = run_fleet(requests, preset(model), **kwargs)
+    result.wall_seconds = 0.0  # a wall clock inside a worker is not the sweep's
+    return result
+
+
+def run_many(requests, jobs: list[dict], *, model: str = "kimi_linear_48b", workers: int | None = None) -> list:
+    """``run_fleet(requests, preset(model), **job)`` for each job, in order; results are deterministic."""
+    workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
+    payload = [(requests, model, job) for job in jobs]
+    if workers <= 1 or len(jobs) <= 1:
+        return [_one(p) for p in payload]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_one, payload))
