@@ -53,3 +53,17 @@ def test_fleet_bad_trace_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kimilab", "fleet", str(bad), "--instances", "1", "--router",
                            "round-robin", "--capacity-tokens", "inf"], capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_fleet_steps_on_the_deployment_it_is_given(traces):
+    """The instances' step times come from ``deployment=``, not from the default node."""
+    from kimilab.config import kimi_linear_48b
+    from kimilab.costs import DEFAULT_DEPLOYMENT, Deployment
+    from kimilab.fleet import run_fleet
+    from kimilab.traffic import load_trace
+
+    reqs = load_trace(traces[0])
+    kw = dict(instances=2, router="round-robin", capacity_tokens=None)
+    full = run_fleet(reqs, kimi_linear_48b, **kw)
+    half = run_fleet(reqs, kimi_linear_48b, deployment=Deployment(DEFAULT_DEPLOYMENT.device, 4), **kw)
+    assert full.summary()["tpot_p50_s"] < half.summary()["tpot_p50_s"]

@@ -14,6 +14,7 @@ import time
 from typing import Sequence
 
 from kimilab.config import ModelConfig
+from kimilab.costs import DEFAULT_DEPLOYMENT
 from kimilab.engine import Engine, Live, StepTimer
 from kimilab.fleet.result import FleetResult
 from kimilab.fleet.routers import make_router
@@ -38,7 +39,8 @@ class Fleet:
         if isolation == "quota":
             tenants = list(dict.fromkeys(tenants)) or ["default"]
             quotas = {t: reserve / len(tenants) for t in tenants}
-        timer = StepTimer(config)
+        # one timer (its memo of step times) shared by the instances, on their deployment
+        timer = StepTimer(config, engine_kw.get("deployment", DEFAULT_DEPLOYMENT))
         self.instances = [Engine(config, capacity_tokens=capacity_tokens, quotas=quotas,
                                  fair=isolation == "quota", timer=timer, index=i, **engine_kw) for i in range(n)]
         self.failures: list[tuple[int, float]] = []
