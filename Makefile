@@ -35,7 +35,8 @@ html: $(STAMP)
 student: $(STAMP)
 	$(BIN)/python -m kimilab student
 
-# The book's experiment (chapter 11): results/part_a.json and results/part_a.md.
+# The book's experiment (chapter 11): results/part_a.{json,md} (reduced model, CPU) and
+# results/part_b.{json,md} (48B sizes, fleet simulator on the real trace).
 experiment: $(STAMP)
 	$(BIN)/python -m kimilab experiment --out results
 

@@ -9,7 +9,7 @@ Commands:
 * ``book``                  execute every chapter and render the book (same as ``make book``)
 * ``html``                  render the web edition from the stored chapters (``make html``)
 * ``student``               write the classroom edition without solutions (``make student``)
-* ``experiment``            the book's experiment: results/part_a.json and .md (``make experiment``)
+* ``experiment``            the book's experiment: results/part_a.* and part_b.* (``make experiment``)
 * ``fleet TRACE...``        serve traces (one tenant each) on a fleet of engines; one JSON object
 * ``cp --tokens T``         context-parallel KDA on the ranks of ``mpiexec -n P``; one JSON object
 
@@ -100,8 +100,17 @@ def _parser() -> _Parser:
 
     e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
     e.add_argument("--out", default="results", help="directory for the result files")
-    e.add_argument("--sessions", type=int, default=2, help="sessions per workload")
-    e.add_argument("--repeats", type=int, default=1, help="wall-clock repeats (the best is kept)")
+    e.add_argument("--part", default="all", choices=["a", "b", "all"],
+                   help="a: reduced model on CPU; b: 48B fleet simulator on the real trace; all (default): both")
+    e.add_argument("--sessions", type=_positive_int, default=2, help="part A: sessions per workload")
+    e.add_argument("--repeats", type=_positive_int, default=1, help="part A: wall-clock repeats (the best is kept)")
+    e.add_argument("--requests", type=_positive_int, default=None, help="part B: the trace's first N requests "
+                   "(default: all)")
+    e.add_argument("--instances", type=_positive_int, default=8, help="part B: engine instances (default 8)")
+    e.add_argument("--capacity-tokens", type=_positive_int, default=2_000_000,
+                   help="part B: each instance's pool in tokens of KV (default 2000000)")
+    e.add_argument("--price", type=_nonnegative_float, default=2.0,
+                   help="part B: assumed dollars per accelerator-hour (default 2.0)")
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
@@ -129,6 +138,16 @@ def _parser() -> _Parser:
     c.add_argument("--even", action="store_true", help="equal slices (default: rank 0 takes more, to balance)")
     c.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds any blocking call may wait")
     return top
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -285,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "experiment":
         from kimilab.experiment import results
 
-        return results.main(["--out", args.out, "--sessions", str(args.sessions), "--repeats", str(args.repeats)])
+        return results.main(["--out", args.out, "--part", args.part, "--sessions", str(args.sessions),
+                             "--repeats", str(args.repeats), "--instances", str(args.instances),
+                             "--capacity-tokens", str(args.capacity_tokens), "--price", repr(args.price)]
+                            + ([] if args.requests is None else ["--requests", str(args.requests)]))
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))

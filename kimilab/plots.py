@@ -81,6 +81,13 @@ METHODS: dict[str, tuple[str, str]] = {
     "cp-tree": ("log-depth tree scan", "#0072B2"),
     "cp-wall": ("wall clock, this machine (2 cores)", "#000000"),
     "cp-predicted": ("cost model, GPU cluster (assumed)", "#999999"),
+    # chapter 11: the experiment, Part B (48B fleet on the real trace)
+    "usable-hit": ("usable hit (KV + state)", "#009E73"),
+    "kv-hit": ("KV hit (blocks found)", "#0072B2"),
+    "ttft-p50": ("TTFT p50", "#56B4E9"),
+    "ttft-p99": ("TTFT p99", "#D55E00"),
+    "cost-fleet": ("fixed fleet, whole run (rent)", "#555555"),
+    "cost-busy": ("busy accelerator time only", "#E69F00"),
 }
 
 _FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]

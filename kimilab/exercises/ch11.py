@@ -23,3 +23,12 @@ def _():
 def _():
     cost, _ = second_request(Model(tiny, seed=0), "prefix:dual", sessions("agent", 1, 0, tiny.vocab_size), n_out=12)
     return cost.prefill_tokens
+
+
+@exercise("11.4", "a fixed fleet's cost per million output tokens",
+          hint="8 instances x 8 accelerators x 3,600 s, in hours, times 2 USD, per 4,000,000 output tokens, "
+               "times 1e6 (kimilab.experiment.cost_per_m_output).")
+def _():
+    from kimilab.experiment import cost_per_m_output
+
+    return cost_per_m_output(8 * 8 * 3600.0, 2.0, 4_000_000)

@@ -4,8 +4,11 @@
 (:mod:`kimilab.experiment.second`) on both workloads and writes
 ``results/part_a.json`` -- the configuration, the package version, and one row per
 (workload, component) -- and ``results/part_a.md``, the table a reader remembers:
-what each component saves on the second request and what it costs. Everything in
-the files is deterministic except the wall-clock seconds, which say so in their names.
+what each component saves on the second request and what it costs. Then Part B
+(:mod:`kimilab.experiment.scale`): the same ablation at 48B sizes through the fleet
+simulator on the real trace, ``results/part_b.json`` and ``results/part_b.md``
+(``--part a|b|all``). Everything in the files is deterministic except the wall-clock
+seconds, which say so in their names.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kimilab.experiment.second import CONFIGS, second_request, sessions
 from kimilab.model import Model
 from kimilab.validate import check_int
 
-__all__ = ["WORKLOADS", "run_part_a", "part_a_table", "main"]
+__all__ = ["WORKLOADS", "PARTS", "run_part_a", "part_a_table", "add_arguments", "main"]
 
 WORKLOADS = ("agent", "chat")
 
@@ -75,15 +78,50 @@ def part_a_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("a", "b", "all")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from kimilab.experiment.scale import part_b_table, run_part_b
+
     parser = argparse.ArgumentParser(prog="python -m kimilab experiment", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results", help="directory for part_a.json and part_a.md")
-    parser.add_argument("--sessions", type=int, default=2, help="sessions per workload")
-    parser.add_argument("--repeats", type=int, default=1, help="wall-clock repeats (the best is kept)")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    result = run_part_a(args.out, n_sessions=args.sessions, repeats=args.repeats)
-    print(part_a_table(result))
-    print(f"written: {Path(args.out) / 'part_a.json'}, {Path(args.out) / 'part_a.md'}")
-    return 0 if all(r["same_tokens"] for r in result["rows"]) else 1
+    for name in ("sessions", "repeats", "instances", "capacity_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive int")
+    if args.requests is not None and args.requests < 1:
+        parser.error(f"--requests {args.requests}: expected a positive int")
+    if not args.price >= 0:
+        parser.error(f"--price {args.price}: expected a price >= 0 (dollars per accelerator-hour)")
+    ok = True
+    if args.part in ("a", "all"):
+        result = run_part_a(args.out, n_sessions=args.sessions, repeats=args.repeats)
+        print(part_a_table(result))
+        print(f"written: {Path(args.out) / 'part_a.json'}, {Path(args.out) / 'part_a.md'}")
+        ok = all(r["same_tokens"] for r in result["rows"])
+    if args.part in ("b", "all"):
+        result = run_part_b(args.out, n_requests=args.requests, instances=args.instances,
+                            capacity_tokens=args.capacity_tokens, price_per_hour=args.price)
+        print(part_b_table(result))
+        print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'}")
+        ok = ok and all(r["finished"] == r["requests"] for r in result["rows"])
+    return 0 if ok else 1
+
+
+def add_arguments(parser) -> None:
+    """The experiment's options (shared by ``python -m kimilab experiment``)."""
+    parser.add_argument("--out", default="results", help="directory for the result files")
+    parser.add_argument("--part", default="all", choices=PARTS, help="a: reduced model on CPU; b: 48B fleet "
+                        "simulator on the real trace; all (default): both")
+    parser.add_argument("--sessions", type=int, default=2, help="part A: sessions per workload")
+    parser.add_argument("--repeats", type=int, default=1, help="part A: wall-clock repeats (the best is kept)")
+    parser.add_argument("--requests", type=int, default=None, help="part B: the trace's first N requests "
+                        "(default: all)")
+    parser.add_argument("--instances", type=int, default=8, help="part B: engine instances (default 8)")
+    parser.add_argument("--capacity-tokens", type=int, default=2_000_000,
+                        help="part B: each instance's pool in tokens of KV (default 2,000,000)")
+    parser.add_argument("--price", type=float, default=2.0,
+                        help="part B: assumed dollars per accelerator-hour (default 2.0)")

@@ -28,24 +28,15 @@ import numpy as np
 from kimilab.costs import prefill_flops
 from kimilab.model import HybridCache, Model
 from kimilab.pool import PagedHybridCache, PagePool
-from kimilab.prefix import ModelPrefixCache, Policy
+from kimilab.prefix import ModelPrefixCache, NoStates
 from kimilab.spec import ControlledDrafter, speculative_generate
 from kimilab.validate import check_int
 
-__all__ = ["CONFIGS", "Session", "TurnCost", "NoStates", "sessions", "second_request"]
+__all__ = ["CONFIGS", "Session", "TurnCost", "sessions", "second_request"]
 
 CONFIGS = ("baseline", "unified-pool", "prefix:no-states", "prefix:every-block", "prefix:dual",
            "spec:snapshot", "spec:replay", "spec:ring")
 BLOCK = 16  # tokens per cached block and per pool page (the reduced model's scale)
-
-
-class NoStates(Policy):
-    """A prefix cache on a hybrid model that keeps KV blocks but never a state checkpoint."""
-
-    name = "no-states"
-
-    def positions(self, placement):
-        return []
 
 
 @dataclass(frozen=True)

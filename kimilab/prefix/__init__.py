@@ -10,7 +10,7 @@
 
 from kimilab.prefix.blocks import block_token_counts, split_prompt
 from kimilab.prefix.hybrid import Checkpoint, HybridPrefixCache, Outcome
-from kimilab.prefix.policies import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, KVOnly, Placement, Policy,
+from kimilab.prefix.policies import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, KVOnly, NoStates, Placement, Policy,
                                      check_interval, make_policy)
 from kimilab.prefix.radix import Match, Node, RadixTree
 from kimilab.prefix.runs import RunPrefixCache
@@ -18,6 +18,6 @@ from kimilab.prefix.tensors import ModelPrefixCache
 
 __all__ = [
     "block_token_counts", "split_prompt", "Match", "Node", "RadixTree", "Placement", "Policy", "KVOnly",
-    "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
+    "NoStates", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES", "make_policy", "check_interval", "Checkpoint", "Outcome",
     "HybridPrefixCache", "RunPrefixCache", "ModelPrefixCache",
 ]

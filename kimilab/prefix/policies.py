@@ -32,7 +32,7 @@ from kimilab.validate import check_float, check_int
 if TYPE_CHECKING:
     from kimilab.prefix.hybrid import HybridPrefixCache
 
-__all__ = ["Placement", "Policy", "KVOnly", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES",
+__all__ = ["Placement", "Policy", "KVOnly", "NoStates", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES",
            "make_policy", "check_interval"]
 
 
@@ -103,6 +103,16 @@ class KVOnly(Policy):
 
     name = "kv-only"
     free_states = True
+
+    def positions(self, p: Placement) -> list[int]:
+        return []
+
+
+class NoStates(Policy):
+    """A prefix cache on a hybrid model that keeps KV blocks but never a state checkpoint:
+    it finds KV hits it can never use (chapter 5's lesson, the experiment's control)."""
+
+    name = "no-states"
 
     def positions(self, p: Placement) -> list[int]:
         return []
@@ -259,7 +269,7 @@ class Dual(EndsBranch):
         return f"{self.name}(interval={self.interval}, alpha={self.alpha:g})"
 
 
-POLICIES = {"kv-only": KVOnly, "every-block": EveryBlock, "align": Align, "ends": Ends,
+POLICIES = {"kv-only": KVOnly, "no-states": NoStates, "every-block": EveryBlock, "align": Align, "ends": Ends,
             "ends+branch": EndsBranch, "dual": Dual}
 
 
