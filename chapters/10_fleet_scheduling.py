@@ -1,10 +1,14 @@
 # ---
 # jupyter:
 #   jupytext:
+#     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -38,6 +42,8 @@
 # latencies are this cost model's, not measurements.
 
 # %%
+import dataclasses
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -258,64 +264,123 @@ plt.show()
 #
 # ## Failures: the cache dies with the instance
 #
-# One of 8 instances fails a third of the way through (the real trace at 4x its rate);
-# its running and waiting requests are routed again and recompute, and routers stop
-# sending to it. We compare TTFT p99 and usable hit per window of arrivals with the
-# same run without the failure; the *recovery time* runs from the failure to the
-# window from which the hit deficit stays under one percentage point.
+# One of 8 instances fails a third of the way through a longer stretch of the real
+# trace (its first 2,400 requests at 4x their rate); its running and waiting requests
+# are routed again and recompute, and routers stop sending to it. A failure costs
+# two different things, and two reference runs without a failure separate them:
+#
+# - the *cold cache*: the dead instance's prefixes must be computed again somewhere
+#   before they hit. Measured against a 7-instance fleet that never had the eighth
+#   instance, this loss should pass. The *recovery time* runs from the failure to the
+#   first window of arrivals whose usable hit rate is within one point of that
+#   7-instance fleet's, and stays so on average (windows are 15 s, so that is the
+#   resolution).
+# - the *capacity*: the fleet now caches in seven pools, not eight, for good. Measured
+#   against the 8-instance fleet, this loss stays.
+#
+# Least-loaded routing is left out: it has almost no hits to lose (the sweep above).
 
 # %%
-FAIL_AT = 55.0
-WINDOW = 10.0
-FROUTERS = ["least-loaded", "prefix-affinity", "state-aware"]
-fjobs = [dict(instances=8, router=r, capacity_tokens=CAPACITY, rate_scale=4, fails=f)
-         for f in ([(3, FAIL_AT)], []) for r in FROUTERS]
-fres = run_many(REAL, fjobs)
-failed, healthy = dict(zip(FROUTERS, fres[:3])), dict(zip(FROUTERS, fres[3:]))
+FAIL_AT, WINDOW, FAIL_SCALE = 60.0, 15.0, 4
+FTRACE = TRACE[:2400]
+FROUTERS = ["prefix-affinity", "state-aware"]
+fjobs = [dict(instances=n, router=r, capacity_tokens=CAPACITY, rate_scale=FAIL_SCALE, fails=f)
+         for n, f in ((8, [(3, FAIL_AT)]), (8, []), (7, [])) for r in FROUTERS]
+fres = run_many(FTRACE, fjobs)
+failed, eight, seven = (dict(zip(FROUTERS, fres[k:k + 2])) for k in (0, 2, 4))
 
 
-def dip_and_recovery(res, ref, fail_at=FAIL_AT, width=WINDOW):
-    """Usable hit and TTFT p99 per window minus the same run without the failure; recovery =
-    first window after the failure from which the hit deficit stays under one point."""
+def tail_hit(res, t):
+    """Usable hit rate of the requests arriving after ``t``."""
+    return res.usable_hit_rate(res.arrival_s > t)
+
+
+def recovery(res, ref, fail_at=FAIL_AT, width=WINDOW, tol=0.01):
+    """Seconds from the failure to the first window whose usable-hit deficit against ``ref`` is under
+    ``tol``, as is the mean deficit of the windows after it (so one lucky window does not count)."""
     w, v = res.window(width), ref.window(width)
-    assert np.array_equal(w["t_s"], v["t_s"])
-    after = w["t_s"] > fail_at
-    gap = (v["usable_hit_rate"] - w["usable_hit_rate"])[after]
-    ok = gap < 0.01
-    stays = [i for i in range(len(ok)) if ok[i:].all()]
-    rec = (w["t_s"][after][stays[0]] - fail_at) if stays else float("nan")
-    tail = (w["ttft_p99_s"] - v["ttft_p99_s"])[after]
-    return gap.max(), rec, tail.max()
+    gap = (v["usable_hit_rate"] - w["usable_hit_rate"])[w["t_s"] > fail_at]
+    for k in range(len(gap)):
+        if gap[k] < tol and gap[k:].mean() < tol:
+            return k * width
+    return float("nan")
 
 
 for r in FROUTERS:
-    gap, rec, tail = dip_and_recovery(failed[r], healthy[r])
-    when = f"after {rec:.0f} s" if np.isfinite(rec) else "not within the replay"
-    print(f"{r:<16} largest usable-hit dip vs no failure {gap:.3f}, recovered {when}; "
-          f"largest TTFT p99 rise {tail:.3f} s; requests re-routed {failed[r].restarts}")
+    f, e, s = failed[r], eight[r], seven[r]
+    rec = recovery(f, s)
+    lasting = tail_hit(e, FAIL_AT + WINDOW) - tail_hit(f, FAIL_AT + WINDOW)  # after the first window
+    win = (f.arrival_s > FAIL_AT) & (f.arrival_s <= FAIL_AT + WINDOW)
+    dip = e.usable_hit_rate(win) - f.usable_hit_rate(win)
+    rise = float(np.percentile(f.ttft_s[win], 99) - np.percentile(e.ttft_s[win], 99))
+    print(f"{r:<16} first {WINDOW:.0f} s after the failure: usable hit {dip:.3f} below the 8-instance run, "
+          f"TTFT p99 {rise:+.3f} s; cold cache recovered after {rec:.0f} s; lasting capacity loss "
+          f"{lasting:.3f} of usable hit; requests re-routed {f.restarts}")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-for r, res in failed.items():
-    w = res.window(WINDOW)
+for r in FROUTERS:
+    w, v, u = failed[r].window(WINDOW), eight[r].window(WINDOW), seven[r].window(WINDOW)
     axes[0].plot(w["t_s"], w["ttft_p99_s"], "o-", ms=3, **plots.style_of(r))
-    axes[1].plot(w["t_s"], w["usable_hit_rate"], "o-", ms=3, **plots.style_of(r))
+    axes[1].plot(w["t_s"], v["usable_hit_rate"] - w["usable_hit_rate"], "o-", ms=3,
+                 label=f"{r}: vs 8 instances", color=plots.color(r))
+    axes[1].plot(u["t_s"], u["usable_hit_rate"] - w["usable_hit_rate"], "s--", ms=3,
+                 label=f"{r}: vs 7 instances", color=plots.color(r), alpha=0.6)
 for ax in axes:
     ax.axvline(FAIL_AT, color="k", ls=":", label="instance 3 fails")
     ax.set_xlabel("arrival time (simulated s)")
-w0 = healthy["state-aware"].window(WINDOW)
-axes[1].plot(w0["t_s"], w0["usable_hit_rate"], "--", color="0.6", label="state-aware, no failure")
+axes[1].axhline(0, color="0.5", lw=0.8)
 axes[0].set_ylabel(f"TTFT p99 per {WINDOW:.0f} s window (s)")
-axes[1].set_ylabel(f"usable hit rate per {WINDOW:.0f} s window")
-axes[1].legend(fontsize=8)
+axes[1].set_ylabel(f"usable hit deficit per {WINDOW:.0f} s window")
+axes[0].legend(fontsize=8)
+axes[1].legend(fontsize=7)
+axes[0].set_title("Tail latency with one instance failing")
+axes[1].set_title("What the failure costs, against two references")
 plots.save(fig, "ch10-failure")
 plt.show()
 
 # %% [markdown]
-# Takeaway: read the printed dips. A failure costs affinity routers the hits that
-# lived on the dead instance (one eighth of the cache) until those conversations warm
-# a new home; load-only routing had few hits to lose. At these loads requests finish
-# within a second, so few are running when the instance dies.
+# Takeaway: the cold cache is short-lived — within a window or so the failed fleet
+# hits as often as a fleet that was always seven instances (the recovery times
+# printed above; a window of a few hundred requests is as noisy as the effect, so read
+# the printed averages, not single points) — but the capacity is not: against eight
+# instances the usable hit stays lower for the rest of the replay. A cache-aware fleet
+# that loses an instance needs the capacity back more than it needs a warm-up.
+#
+# ### Does one tenant's failure starve another?
+#
+# Two tenants share the 8 instances: `a` replays the trace's first 700 requests,
+# `b` the next 700 moved to start at the same time (real requests; their blocks
+# kept apart). We fail the instance that served the largest share of `a`'s requests
+# and the smallest of `b`'s, and read `b`'s tail and hit rate with and without it.
+
+# %%
+half = TRACE[700:1400]
+shift = half[0].arrival_ms
+TWO = merge_tenants([("a", TRACE[:700]),
+                     ("b", [dataclasses.replace(q, arrival_ms=q.arrival_ms - shift) for q in half])])
+base_two = run_fleet(TWO, CFG, instances=8, router="state-aware", capacity_tokens=CAPACITY, rate_scale=FAIL_SCALE)
+share = {t: np.bincount(base_two.instance[base_two.tenant == t], minlength=8) / np.sum(base_two.tenant == t)
+         for t in ("a", "b")}
+victim = int(np.argmax(share["a"] - share["b"]))
+T_FAIL = float(np.median(base_two.arrival_s))
+failed_two = run_fleet(TWO, CFG, instances=8, router="state-aware", capacity_tokens=CAPACITY, rate_scale=FAIL_SCALE,
+                    fails=[(victim, T_FAIL)])
+print(f"instance {victim} served {share['a'][victim]:.1%} of a's requests and {share['b'][victim]:.1%} of b's; "
+      f"it fails at {T_FAIL:.0f} s")
+for t in ("a", "b"):
+    after = lambda res: (res.tenant == t) & (res.arrival_s > T_FAIL)  # noqa: E731
+    p0, p1 = (float(np.percentile(res.ttft_s[after(res)], 99)) for res in (base_two, failed_two))
+    h0, h1 = (res.usable_hit_rate(after(res)) for res in (base_two, failed_two))
+    print(f"tenant {t}, arrivals after the failure: TTFT p99 {p0:.4f} -> {p1:.4f} s, usable hit {h0:.3f} -> {h1:.3f}")
+
+# %% [markdown]
+# Takeaway: the router does not pin tenants to instances, so the failed instance held
+# some of both tenants' prefixes, and both lose hits on it (printed above). Neither is
+# starved: the re-routed traffic spreads over seven instances that are far from
+# saturated at this load, and the tails move by a fraction of a second either way. Quotas
+# and fair admission (next section) protect a tenant from another tenant's *traffic*; a
+# failure is shared by everyone whose prefixes lived there.
 #
 # ## Budget isolation: a noisy neighbour
 #
@@ -338,9 +403,10 @@ flood = [Request(i, int(i * span / N_FLOOD), 48 * 512, 64, hash_ids=tuple(range(
 TENANTS = merge_tenants([("chat", chat), ("flood", flood)])
 njobs = [dict(instances=1, router="prefix-affinity", capacity_tokens=CAPACITY, isolation=iso, rate_scale=4)
          for iso in ("none", "quota")]
-noisy = dict(zip(["none", "quota"], run_many(TENANTS, njobs)))
-alone = run_fleet(merge_tenants([("chat", chat)]), CFG, instances=1, router="prefix-affinity",
-                  capacity_tokens=CAPACITY, rate_scale=4).summary()["tenants"]["chat"]
+njobs.append(dict(njobs[0], requests=merge_tenants([("chat", chat)])))  # the chat tenant alone
+*both, solo = run_many(TENANTS, njobs)
+noisy = dict(zip(["none", "quota"], both))
+alone = solo.summary()["tenants"]["chat"]
 print(f"chat alone:          TTFT p99 {alone['ttft_p99_s']:.4f} s, usable hit {alone['usable_hit_rate']:.3f}")
 for iso, res in noisy.items():
     ten = res.summary()["tenants"]
@@ -379,8 +445,9 @@ plt.show()
 # - Routing decides hits: affinity multiplies the usable hit rate over least-loaded on
 #   the real trace and cuts the TTFT tail; state-aware scoring ties with plain prefix
 #   affinity under the `dual` policy, because request-end checkpoints keep KV hits usable.
-# - Affinity has costs: hot spots under skew, and the cache lost with a failed instance
-#   (a dip of a few points of usable hit against the same run without the failure).
+# - Affinity has costs: hot spots under skew, and the cache lost with a failed instance:
+#   the cold part recovers within a window or so, the lost capacity does not; another
+#   tenant sharing the fleet loses the hits it kept there too, but is not starved.
 # - Quotas keep a noisy tenant from evicting a quiet tenant's reserved cache, and fair
 #   admission stops a flood from queueing ahead of it: the quiet tenant's tail goes
 #   from minutes back to seconds.
@@ -427,5 +494,7 @@ verify("10.3", answer)
 # by `align`, which keeps states only at fixed intervals (`run_fleet(..., policy="align")`
 # passes the policy to every engine). Does state-aware affinity now beat prefix affinity?
 #
-# **10.5 (open) Tenants on a failure.** Give each of two tenants its own affine
-# instances and fail one of the first tenant's. Does the second tenant's TTFT p99 move?
+# **10.5 (open) Tenants on a failure.** The failure section's tenants share every
+# instance. Give each tenant its own instances (route tenant `a` to instances 0–3 and
+# `b` to 4–7 with a small router of your own) and fail one of `a`'s. Does `b` notice at
+# all? What does `a` lose compared with the shared fleet?

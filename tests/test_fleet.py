@@ -67,3 +67,21 @@ def test_fleet_steps_on_the_deployment_it_is_given(traces):
     full = run_fleet(reqs, kimi_linear_48b, **kw)
     half = run_fleet(reqs, kimi_linear_48b, deployment=Deployment(DEFAULT_DEPLOYMENT.device, 4), **kw)
     assert full.summary()["tpot_p50_s"] < half.summary()["tpot_p50_s"]
+
+
+def test_run_many_job_may_carry_its_own_requests():
+    """A job's own ``requests`` replace the shared ones, and results equal a plain run_fleet."""
+    import numpy as np
+
+    from kimilab.config import kimi_linear_48b
+    from kimilab.fleet import run_fleet
+    from kimilab.fleet.sweep import run_many
+
+    shared = [Request(i, 100 * i, 1024, 8, hash_ids=(i % 3, 10 + i)) for i in range(12)]
+    own = [Request(i, 50 * i, 1536, 4, hash_ids=(0, 1, 20 + i)) for i in range(9)]
+    job = dict(instances=2, router="prefix-affinity", capacity_tokens=200_000)
+    a, b = run_many(shared, [job, dict(job, requests=own)], workers=1)
+    assert (a.requests, b.requests) == (12, 9)
+    ref = run_fleet(own, kimi_linear_48b, **job)
+    np.testing.assert_array_equal(b.ttft_s, ref.ttft_s)
+    np.testing.assert_array_equal(b.usable_hit, ref.usable_hit)

@@ -13,13 +13,16 @@ __all__ = ["run_many"]
 
 def _one(job: tuple) -> object:
     requests, model, kwargs = job
+    kwargs = dict(kwargs)
+    requests = kwargs.pop("requests", requests)
     result = run_fleet(requests, preset(model), **kwargs)
     result.wall_seconds = 0.0  # a wall clock inside a worker is not the sweep's
     return result
 
 
 def run_many(requests, jobs: list[dict], *, model: str = "kimi_linear_48b", workers: int | None = None) -> list:
-    """``run_fleet(requests, preset(model), **job)`` for each job, in order; results are deterministic."""
+    """``run_fleet(requests, preset(model), **job)`` for each job, in order; results are deterministic.
+    A job may carry its own ``requests`` (another tenant mix, say) in place of the shared ones."""
     workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
     payload = [(requests, model, job) for job in jobs]
     if workers <= 1 or len(jobs) <= 1:
