@@ -5,6 +5,7 @@
 * ``fairness``  FifoQueue and FairQueue (virtual token counters, after VTC)
 * ``live``      Live (a request being served) and Finished (what it measured)
 * ``engine``    Engine: chunked prefill, admission, preemption by recompute, fast-forwarded decode
+* ``tensor``    TensorExecutor: the same loop on the reduced model's real tensors (== Model.generate alone)
 """
 
 from kimilab.engine.engine import Engine, prompt_of
@@ -12,5 +13,7 @@ from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
 from kimilab.engine.steptime import StepTimer
+from kimilab.engine.tensor import Executor, TensorExecutor, serve
 
-__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory", "StepTimer"]
+__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory", "StepTimer",
+           "Executor", "TensorExecutor", "serve"]

@@ -12,6 +12,12 @@ a finished request unpins its blocks, which stay cached. Step times come from
 :class:`StepTimer` (the ``costs`` roofline at real sizes). Steps that only
 decode are fast-forwarded in one go until the next page boundary, finish or
 arrival, so traces of any length run in seconds.
+
+``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every
+decision of this one loop -- admission, each step's chunks and decodes (a
+fast-forwarded run of k decode steps is handed over as k, and run token by
+token), preemption, finish -- and carries them out for real; the decisions and
+times stay exactly those of the accounting run.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class Engine:
                  token_budget: int = 8192, max_batch: int = 256, policy: str = "dual",
                  quotas: dict[str, float] | None = None, fair: bool = False,
                  deployment: Deployment = DEFAULT_DEPLOYMENT, timer: StepTimer | None = None,
-                 index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False):
+                 index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
         self.max_batch = check_int("max_batch", max_batch, 1)
@@ -63,6 +69,9 @@ class Engine:
         self.n_steps = self.preemptions = 0
         self._blocked = False  # the queue head did not fit; retry after memory is freed
         self._seq = 0
+        self.executor = executor  # None: accounting only
+        if executor is not None:
+            executor.bind(self)
 
     # ----- what routers read ------------------------------------------------
     @property
@@ -99,6 +108,8 @@ class Engine:
     def submit(self, live: Live) -> None:
         if not self.alive:
             raise RuntimeError(f"instance {self.index} has failed: route elsewhere")
+        if self.executor is not None:
+            self.executor.check(live.req)
         if not self.fits_alone(live.req):
             self.refused.append(live)
             return
@@ -117,7 +128,7 @@ class Engine:
     def _admit(self, live: Live) -> bool:
         mem, req = self.memory, live.req
         cache = mem.cache(req.tenant)
-        out, path, _, _ = cache.begin(**prompt_of(req))
+        out, path, usable_node, _ = cache.begin(**prompt_of(req))
         base = path[-1].end if path else 0
         live.ctx = req.input_length + live.generated
         kv_pages = -(-(live.ctx + 1 - base) // self.block)
@@ -137,10 +148,14 @@ class Engine:
         live.admissions += 1
         self._seq += 1
         live.seq = self._seq
+        if self.executor is not None:
+            self.executor.admit(live, usable_node)
         return True
 
     def _preempt_newest(self) -> Live:
         victim = self.running.pop()
+        if self.executor is not None:
+            self.executor.drop(victim)
         self._free_own(victim)
         victim.preemptions += 1
         self.preemptions += 1
@@ -161,6 +176,8 @@ class Engine:
 
     def _finish(self, live: Live) -> None:
         self.running.remove(live)
+        if self.executor is not None:
+            self.executor.finish(live)
         self._free_own(live)
         r = live.req
         self.finished.append(Finished(r.request_id, r.tenant, self.index, live.arrival_s, live.first_token_s,
@@ -226,6 +243,8 @@ class Engine:
             if until != math.inf:
                 k = min(k, max(1, math.ceil((until - self.clock) / dt)))
             k = max(k, 1)
+        if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
+            self.executor.run(decoders, chunks, k)
         start = self.clock
         self.clock += k * dt
         self._record_busy(start, k * dt)
@@ -265,6 +284,8 @@ class Engine:
         lost = self.running + self.queue.clear()
         self.running = []
         for live in lost:
+            if self.executor is not None:
+                self.executor.drop(live)
             live.allocs, live.path, live.cache, live.done = [], [], None, 0
             live.restarts += 1
         self.alive = False

@@ -1,0 +1,201 @@
+"""The engine's tensor mode: the same scheduling loop on the reduced model equals Model.generate alone.
+
+Each workload is built so the mechanism it tests must happen (asserted, not hoped
+for): prefix hits served from real snapshots, prompts split over several steps,
+preemption with recompute of already-streamed tokens. The decisions (Finished
+records) must equal the accounting engine's on the same requests.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kimilab.config import kimi_linear_48b, tiny
+from kimilab.engine import Engine, Executor, Live, TensorExecutor, serve
+from kimilab.engine.tensor import submit
+from kimilab.model import Model
+from kimilab.traffic import Request
+
+FEW = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                      HealthCheck.function_scoped_fixture])
+_REF: dict = {}
+
+
+def _alone(model: Model, req) -> list[int]:
+    """Model.generate on the request's prompt, on a fresh cache (memoised per prompt and length)."""
+    key = (req.tokens.tobytes(), req.output_length)
+    if key not in _REF:
+        _REF[key] = model.generate(req.tokens, req.output_length)
+    return _REF[key]
+
+
+def _check_exact(model: Model, engine: Engine, outputs: dict, requests) -> None:
+    refused = [l.req.request_id for l in engine.refused]
+    assert sorted(list(outputs) + refused) == sorted(r.request_id for r in requests), "each finishes once"
+    for r in requests:
+        if r.request_id in outputs:
+            np.testing.assert_array_equal(outputs[r.request_id], _alone(model, r), err_msg=f"request {r.request_id}")
+    engine.check_no_leak()
+
+
+def _shared(rng, n: int, block: int, t_ms: int = 0, max_out: int = 6, first_id: int = 0) -> list:
+    """Prompts on two shared system prompts (1-2 blocks plus a bit), each with its own tail."""
+    heads = [rng.integers(0, tiny.vocab_size, int(rng.integers(block + 1, 2 * block + 3))) for _ in range(2)]
+    out = []
+    for i in range(n):
+        p = np.concatenate([heads[i % 2], rng.integers(0, tiny.vocab_size, int(rng.integers(1, 2 * block)))])
+        out.append(Request(first_id + i, t_ms, p.size, int(rng.integers(0, max_out + 1)), tokens=p))
+    return out
+
+
+def _turn_two(rng, first: list, outputs: dict, t_ms: int) -> list:
+    """Each request's next turn: its prompt, the reply it got, and something new."""
+    out = []
+    for i, r in enumerate(first):
+        reply = np.asarray(outputs[r.request_id], dtype=np.int64)
+        p = np.concatenate([r.tokens, reply, rng.integers(0, tiny.vocab_size, int(rng.integers(1, 6)))])
+        out.append(Request(len(first) + i, t_ms, p.size, int(rng.integers(1, 5)), tokens=p))
+    return out
+
+
+def _accounting(requests, **kw) -> Engine:
+    """The same requests on the accounting engine (no executor: fast-forwarded decode)."""
+    e = Engine(tiny, **kw)
+    submit(e, requests)
+    e.drain()
+    return e
+
+
+def _same_decisions(a: Engine, b: Engine) -> None:
+    """The same decisions at the same simulated times: Finished records equal field for field."""
+    assert a.finished == b.finished
+    assert [l.req.request_id for l in a.refused] == [l.req.request_id for l in b.refused]
+    assert (a.preemptions, a.n_steps, a.clock, a.busy) == (b.preemptions, b.n_steps, b.clock, b.busy)
+
+
+@FEW
+@given(seed=st.integers(0, 10**6), block=st.sampled_from([4, 8]), budget=st.integers(2, 5))
+def test_prefix_hits_and_chunked_prefill_are_exact(tiny_model, seed, block, budget):
+    """Two turns of shared-prefix traffic, a budget smaller than every prompt, no memory limit."""
+    rng = np.random.default_rng(seed)
+    kw = dict(block_size=block, token_budget=budget)
+    first = _shared(rng, 5, block)
+    assert min(r.input_length for r in first) > budget
+    ex = TensorExecutor(tiny_model)
+    engine = Engine(tiny, capacity_tokens=None, executor=ex, **kw)
+    submit(engine, first)
+    engine.drain()
+    second = _turn_two(rng, first, ex.outputs(), t_ms=10**6)  # after the first turn has drained
+    submit(engine, second)
+    engine.drain()
+    _check_exact(tiny_model, engine, ex.outputs(), first + second)
+    hits = {f.request_id: f.usable_hit for f in engine.finished}
+    assert all(hits[r.request_id] >= block for r in second), "a second turn resumes from its first turn's end"
+    assert ex.store_hit_tokens > 0, "hits resumed from real stored KV + states"
+    log = ex.chunk_log  # (request id, start, n): a continuation starts where the last chunk ended
+    assert any(a[0] == b[0] and b[1] == a[1] + a[2] for i, a in enumerate(log) for b in log[i + 1:]), \
+        "a prompt was split over several steps"
+    _same_decisions(engine, _accounting(first + second, capacity_tokens=None, **kw))
+
+
+@FEW
+@given(seed=st.integers(0, 10**6), block=st.sampled_from([4, 8]), n=st.integers(3, 4))
+def test_preemption_recomputes_streamed_tokens_exactly(tiny_model, seed, block, n):
+    """Short prompts, long replies, a pool that fits one request alone (the engine's rule) but not
+    three grown ones: three start together, all grow, the newest is preempted and recomputes
+    its prompt plus the tokens it already streamed."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        p = rng.integers(0, tiny.vocab_size, int(rng.integers(1, block)))
+        reqs.append(Request(i, 0, p.size, int(rng.integers(2 * block + 2, 3 * block + 1)), tokens=p))
+    probe = Engine(tiny, capacity_tokens=None, block_size=block)
+    need = max(-(-(r.input_length + r.output_length + 1) // block) for r in reqs) + 3 * probe.memory.state_pages
+    kw = dict(capacity_tokens=need * block, block_size=block, token_budget=4 * block)
+    engine, outputs = serve(tiny_model, reqs, **kw)
+    assert not engine.refused
+    _check_exact(tiny_model, engine, outputs, reqs)
+    assert engine.preemptions > 0
+    again = [f for f in engine.finished if f.preemptions > 0]
+    assert any(f.contexts > f.input_length for f in again), "a re-admission prefilled streamed tokens"
+    _same_decisions(engine, _accounting(reqs, **kw))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), block=st.sampled_from([4, 8]), budget=st.integers(4, 40),
+       spare=st.integers(0, 2), policy=st.sampled_from(["dual", "every-block", "ends"]))
+def test_mixed_workloads_are_exact(tiny_model, seed, block, budget, spare, policy):
+    """Everything at once: shared prefixes, staggered arrivals, chunking, a tight pool (spare room
+    in checkpoints' worth of pages)."""
+    rng = np.random.default_rng(seed)
+    reqs = [Request(r.request_id, int(rng.integers(0, 3)), r.input_length, r.output_length, tokens=r.tokens)
+            for r in _shared(rng, 7, block, max_out=2 * block)]
+    probe = Engine(tiny, capacity_tokens=None, block_size=block)
+    need = max(-(-(r.input_length + r.output_length + 1) // block) for r in reqs) + 3 * probe.memory.state_pages
+    spare += policy == "every-block"  # a checkpoint per block: room for one more
+    kw = dict(capacity_tokens=(need + spare * probe.memory.state_pages) * block, block_size=block,
+              token_budget=budget, policy=policy)
+    engine, outputs = serve(tiny_model, reqs, **kw)
+    _check_exact(tiny_model, engine, outputs, reqs)
+    assert len(outputs) >= 2
+    _same_decisions(engine, _accounting(reqs, **kw))
+
+
+def test_hit_on_a_checkpoint_no_prefill_computed_is_built_off_schedule(tiny_model):
+    """The accounting cache admits a request's checkpoints in ``begin``, before the memory check;
+    when that check fails they stay, and the retry hits its own never-computed end checkpoint.
+    Tensor mode builds those tensors outside the schedule (counted), and stays exact."""
+    rng = np.random.default_rng(0)
+    reqs = [Request(0, 0, 15, 30, tokens=rng.integers(0, tiny.vocab_size, 15)),  # holds the pool while decoding
+            Request(1, 0, 20, 2, tokens=rng.integers(0, tiny.vocab_size, 20))]  # does not fit next to it at first
+    kw = dict(capacity_tokens=34 * 8, block_size=8)
+    engine, outputs = serve(tiny_model, reqs, **kw)
+    _check_exact(tiny_model, engine, outputs, reqs)
+    assert {f.request_id: f.usable_hit for f in engine.finished} == {0: 0, 1: 16}
+    assert engine.executor.unscheduled_tokens == 16 and engine.executor.store_hit_tokens == 0
+    _same_decisions(engine, _accounting(reqs, **kw))
+
+
+def test_hooks_keep_accounting_results():
+    """An engine with the do-nothing Executor is the accounting engine: a long run with preemption."""
+    rng = np.random.default_rng(3)
+    reqs, t, fresh = [], 0, iter(range(1, 10**9))
+    paths = [[] for _ in range(4)]  # sessions growing chained block ids: later turns hit earlier ones
+    for i in range(60):
+        path = paths[int(rng.integers(4))]
+        if len(path) > 6 or rng.random() < 0.2:
+            path.clear()
+        path.extend(next(fresh) for _ in range(int(rng.integers(1, 3))))
+        ids = tuple(path) + (next(fresh),)
+        reqs.append(Request(i, t, (len(ids) - 1) * 512 + int(rng.integers(1, 513)), int(rng.integers(0, 2000)),
+                            hash_ids=ids))
+        t += int(rng.integers(0, 2))
+    kw = dict(capacity_tokens=80 * 512, token_budget=1024)
+    plain = Engine(kimi_linear_48b, **kw)
+    submit(plain, reqs)
+    plain.drain()
+    hooked = Engine(kimi_linear_48b, executor=Executor(), **kw)
+    submit(hooked, reqs)
+    hooked.drain()
+    assert plain.preemptions > 0 and sum(f.usable_hit for f in plain.finished) > 0
+    _same_decisions(plain, hooked)
+
+
+def test_errors(tiny_model):
+    e = Engine(tiny, capacity_tokens=None, executor=TensorExecutor(tiny_model))
+    with pytest.raises(ValueError, match="req.tokens"):
+        e.submit(Live(Request(0, 0, 10, 2, hash_ids=(1,)), 0.0))
+    with pytest.raises(ValueError, match="req.tokens"):
+        e.submit(Live(Request(1, 0, 2, 2, tokens=np.array([1, tiny.vocab_size])), 0.0))
+    e.submit(Live(Request(2, 0, 2, 2, tokens=np.array([1, 2])), 0.0))
+    with pytest.raises(ValueError, match="request_id"):
+        e.submit(Live(Request(2, 0, 2, 2, tokens=np.array([1, 2])), 0.0))
+    with pytest.raises(ValueError, match="config"):
+        Engine(kimi_linear_48b, capacity_tokens=None, executor=TensorExecutor(tiny_model))
+    with pytest.raises(ValueError, match="policy"):
+        Engine(tiny, capacity_tokens=None, policy="kv-only", executor=TensorExecutor(tiny_model))
+    with pytest.raises(ValueError, match="executor"):
+        Engine(tiny, capacity_tokens=None, executor=e.executor)
+    with pytest.raises(ValueError, match="model"):
+        TensorExecutor(tiny)
