@@ -105,7 +105,12 @@ for name, value in rows:
 # the request already holds. Steps that only decode are identical until a request
 # finishes, crosses a page boundary or something arrives, so the engine jumps over
 # them in one go. Admission pins the prompt's blocks in the prefix cache; the usable
-# hit is where prefill starts.
+# hit is where prefill starts. The cache lists the prompt's blocks and checkpoints
+# before they are computed, so a request that is refused (no room yet) or preempted
+# mid-prefill takes back, with `abandon`, everything it had not computed: otherwise the
+# retry would "hit" states nobody ever produced. (The one approximation left: a
+# request admitted while another is still prefilling a shared prefix hits that
+# prefix's blocks at once, as if the other had finished.)
 
 # %%
 show_source(Engine._admit)
@@ -432,10 +437,12 @@ plt.show()
 # waits behind it in one first-come queue (its p99 TTFT goes from about a second to
 # minutes, printed above) while the flood evicts its prefixes. With quotas and fair
 # admission the chat tenant is admitted ahead of the flood's backlog and keeps its
-# reserved cache: its p99 returns to seconds. Its hit rate with isolation comes out
-# *above* its hit rate alone, which we have not explained yet (queued turns admitted
-# together may share blocks another way); treat that comparison with care. The flood's
-# own tail barely moves: it is the tenant over its share.
+# reserved cache: its p99 falls from minutes to seconds, but not back to what it has
+# alone. Isolation orders admission and reserves cache; it does not reserve compute
+# or the rest of the pool: the flood's admitted requests still share every step's
+# token budget and hold pages while they run, and the chat tenant's reserved share is
+# smaller than the whole pool it has alone, so its hit rate is a little lower too.
+# The flood's own tail barely moves: it is the tenant over its share.
 #
 # ## Summary
 #
@@ -450,7 +457,7 @@ plt.show()
 #   tenant sharing the fleet loses the hits it kept there too, but is not starved.
 # - Quotas keep a noisy tenant from evicting a quiet tenant's reserved cache, and fair
 #   admission stops a flood from queueing ahead of it: the quiet tenant's tail goes
-#   from minutes back to seconds.
+#   from minutes to seconds, though not back to its tail alone (compute is still shared).
 # - Honest scope: the first minutes of one real trace; a cost model, not a cluster;
 #   an 8-device node per instance is far from saturated at the trace's own rate.
 #

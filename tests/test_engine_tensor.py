@@ -142,18 +142,19 @@ def test_mixed_workloads_are_exact(tiny_model, seed, block, budget, spare, polic
     _same_decisions(engine, _accounting(reqs, **kw))
 
 
-def test_hit_on_a_checkpoint_no_prefill_computed_is_built_off_schedule(tiny_model):
-    """The accounting cache admits a request's checkpoints in ``begin``, before the memory check;
-    when that check fails they stay, and the retry hits its own never-computed end checkpoint.
-    Tensor mode builds those tensors outside the schedule (counted), and stays exact."""
+def test_a_refused_admission_leaves_no_checkpoint_behind(tiny_model):
+    """The cache admits a request's blocks and checkpoints in ``begin``, before the engine's memory
+    check; when that check refuses the admission they leave again (``abandon``), so the retry
+    finds nothing of its own to hit and nothing is computed off the schedule."""
     rng = np.random.default_rng(0)
     reqs = [Request(0, 0, 15, 30, tokens=rng.integers(0, tiny.vocab_size, 15)),  # holds the pool while decoding
             Request(1, 0, 20, 2, tokens=rng.integers(0, tiny.vocab_size, 20))]  # does not fit next to it at first
     kw = dict(capacity_tokens=34 * 8, block_size=8)
     engine, outputs = serve(tiny_model, reqs, **kw)
     _check_exact(tiny_model, engine, outputs, reqs)
-    assert {f.request_id: f.usable_hit for f in engine.finished} == {0: 0, 1: 16}
-    assert engine.executor.unscheduled_tokens == 16 and engine.executor.store_hit_tokens == 0
+    assert {f.request_id: f.usable_hit for f in engine.finished} == {0: 0, 1: 0}
+    assert engine.finished[-1].first_token_s > engine.finished[0].arrival_s, "request 1 waited"
+    assert engine.executor.unscheduled_tokens == 0 and engine.executor.store_hit_tokens == 0
     _same_decisions(engine, _accounting(reqs, **kw))
 
 

@@ -124,6 +124,14 @@ def test_with_unbounded_memory_every_block_reaches_the_attention_bound(paths):
     assert d.usable_hit_tokens <= b.usable_hit_tokens and d.kv_hit_tokens == b.kv_hit_tokens
 
 
+def _release(cache, data, path, out, added):
+    """A request ends: it finished, or stopped after computing some of its prompt (refused, preempted)."""
+    if data.draw(st.booleans()):
+        cache.finish(path)
+    else:
+        cache.abandon(path, out, added, data.draw(st.integers(0, out.n_tokens)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(PATHS, st.integers(1, 80), st.sampled_from(sorted(POLICIES)),
        st.booleans(), st.data())
@@ -142,17 +150,17 @@ def test_invariants_hold_under_random_traffic(paths, capacity_blocks, name, part
         assert out.usable_hit == 0 or out.usable_hit in ends_before or cache.policy.free_states
         assert all(n.alive for n in path)
         if data.draw(st.booleans()) and len(held) < 3:
-            held.append(path)  # a running request keeps its blocks pinned
+            held.append((path, out, added))  # a running request keeps its blocks pinned
         else:
-            cache.finish(path)
+            _release(cache, data, path, out, added)
         if held and data.draw(st.booleans()):
-            cache.finish(held.pop(0))
-        for p in held:
+            _release(cache, data, *held.pop(0))
+        for p, _, _ in held:
             assert all(n.alive for n in p)
         cache.check_invariants()
         cache.pool.check_invariants()
-    for p in held:
-        cache.finish(p)
+    for p, out, added in held:
+        _release(cache, data, p, out, added)
     # the eviction queues alone can empty the cache: nothing unpinned is ever stranded
     assert cache.tree.reclaim(cache.pool.n_pages)
     assert cache.pool.n_free == cache.pool.n_pages and cache.n_checkpoints == 0
@@ -312,3 +320,47 @@ def test_a_full_pool_evicts_cached_prefix_for_a_running_request(tiny_model):
         cache.free()
     assert store.cache.tree.n_evicted > 0
     store.cache.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(PATHS, st.sampled_from(sorted(POLICIES)), st.data())
+def test_an_abandoned_request_leaves_only_what_it_computed(paths, name, data):
+    """A request refused (computed=0) leaves the cache answering every later request as if it
+    never came; one that computed its whole prompt, as if it finished; one stopped part-way keeps
+    exactly its blocks and checkpoints up to the computed position. Unbounded memory, so no
+    eviction order is involved."""
+    recs = records_from_paths(paths)
+    k = data.draw(st.integers(0, len(recs) - 1))
+    n = recs[k].input_length
+    computed = data.draw(st.sampled_from([0, n, data.draw(st.integers(0, n))]))
+    a, b = make_cache(make_policy(name), 10**6), make_cache(make_policy(name), 10**6)
+    for i, r in enumerate(recs):
+        if i != k:
+            got, want = a.serve(r.hash_ids, r.input_length), b.serve(r.hash_ids, r.input_length)
+            if computed in (0, n):
+                assert (got.kv_hit, got.usable_hit) == (want.kv_hit, want.usable_hit), (i, k, computed)
+            continue
+        out, path, _, added = a.begin(r.hash_ids, r.input_length)
+        kept = [(x.end, x.payload is not None and (x not in added or x.end <= computed)) for x in path
+                if x.end <= computed or path.index(x) < out.matched_blocks]
+        a.abandon(path, out, added, computed)
+        assert [(x.end, x.payload is not None) for x in path if x.alive] == kept
+        if computed == n:
+            b.serve(r.hash_ids, r.input_length)
+        a.check_invariants()
+    a.check_invariants()
+
+
+def test_abandon_takes_back_a_refused_requests_blocks_and_checkpoints():
+    cache = make_cache(EveryBlock(), 10**6)
+    cache.serve(records_from_paths([[0, 1]])[0].hash_ids, 2 * BS)
+    before = (cache.kv_pages, cache.n_checkpoints, cache.pages_admitted, cache.pool.n_used)
+    r = records_from_paths([[0, 1, 2, 2]])[0]
+    out, path, _, added = cache.begin(r.hash_ids, r.input_length)
+    assert out.usable_hit == 2 * BS and cache.kv_pages == 4 and len(added) == 2  # checkpoints at 12, 16
+    cache.abandon(path, out, added, 0)
+    assert (cache.kv_pages, cache.n_checkpoints, cache.pages_admitted, cache.pool.n_used) == before
+    assert cache.tree.n_evicted == 0 and cache.checkpoints_evicted == 0
+    assert cache.serve(r.hash_ids, r.input_length).usable_hit == 2 * BS
+    with pytest.raises(ValueError, match="computed"):
+        cache.abandon([], out, (), -1)

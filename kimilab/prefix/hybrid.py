@@ -274,14 +274,45 @@ class HybridPrefixCache:
         own memory comes out of the same pool); False if everything left is pinned."""
         return self.reclaim(check_int("n_pages", n_pages, 0))
 
+    def abandon(self, path, outcome: Outcome, added, computed: int) -> None:
+        """Unpin a request's path when it stops before its prefill is done (refused or preempted).
+
+        :meth:`begin` put the prompt's blocks and checkpoints in the cache before they
+        were computed; past ``computed`` tokens they never were. The checkpoints this
+        request ``added`` there and the blocks it inserted there (after the
+        ``outcome.matched_blocks`` it found) leave the cache again, unless another
+        request holds them; so nobody later hits work that was never done.
+        """
+        computed = check_int("computed", computed, 0, unit="tokens")
+        tree = self.tree
+        tree.unpin(path)
+        for node in added:
+            ck = node.payload
+            if ck is not None and node.end > computed and node.refcount == 0:
+                node.payload = None
+                tree.release(ck.alloc, self._checkpoint_key)
+                self.n_checkpoints -= 1
+                self.checkpoints_admitted -= 1
+                self.pages_admitted -= self.checkpoint_pages
+        for node in reversed(path[outcome.matched_blocks:]):
+            if node.end <= computed or node.refcount or node.children or not node.alive:
+                break  # an ancestor of a block that stays, stays too
+            tree.evict_node(node)
+            tree.n_evicted -= 1  # taken back, not evicted
+            self.pages_admitted -= tree.allocs_per_node
+        self._requeue_checkpoints(path)
+
     def finish(self, path) -> None:
         """Unpin a request's path; its checkpoints become evictable again."""
         self.tree.unpin(path)
+        self._requeue_checkpoints(path)
+
+    def _requeue_checkpoints(self, path) -> None:
         if self.policy.free_states:
             return
         for node in path:
             ck = node.payload
-            if ck is not None and ck.serial == -1 and node.refcount == 0:
+            if ck is not None and ck.serial == -1 and node.alive and node.refcount == 0:
                 self._push_checkpoint(node)
 
     def serve(self, keys=None, n_tokens=None, *, tokens=None) -> Outcome:
