@@ -377,3 +377,30 @@ def test_request_forms_and_validation():
         line.n_blocks(0)
     with pytest.raises(ValueError, match=r"requests\[0\].tokens=None"):
         wl.to_trace([line])
+
+
+def test_zipf_prefixes_skew_moves_only_the_prefixes():
+    """Exponent 0 spreads requests over all prefixes; a high one piles them on prefix 0. Arrivals,
+    tails and outputs are the same draws at every exponent (common random numbers for a sweep)."""
+    flat, steep = wl.zipf_prefixes(2000, exponent=0.0), wl.zipf_prefixes(2000, exponent=2.5)
+    assert flat == wl.zipf_prefixes(2000, exponent=0.0)
+    heads = {e: np.array([r.hash_ids[0] for r in reqs]) for e, reqs in ((0, flat), (2.5, steep))}
+    top = {e: np.mean(h == h.min()) for e, h in heads.items()}
+    assert len(set(heads[0])) > 200 and top[0] < 0.02  # 256 prefixes, each about 1/256
+    assert top[2.5] > 0.6  # 1 / zeta(2.5) ~ 0.75 of requests open with the top prefix
+    for a, b in zip(flat, steep):
+        assert (a.arrival_ms, a.output_length, len(a.hash_ids)) == (b.arrival_ms, b.output_length, len(b.hash_ids))
+        assert a.hash_ids[16:] == b.hash_ids[16:]  # the private tail
+        assert (len(a.hash_ids) - 1) * 512 < a.input_length <= len(a.hash_ids) * 512
+    shared = [r.hash_ids[:16] for r in steep]
+    assert all(h == tuple(range(h[0], h[0] + 16)) for h in shared)
+    tails = [i for r in steep for i in r.hash_ids[16:]]
+    assert len(tails) == len(set(tails)), "tails are private"
+
+
+@pytest.mark.parametrize("kwargs, name", [({"exponent": -1.0}, "exponent"), ({"rate_per_s": 0.0}, "rate_per_s"),
+                                          ({"n_prefixes": 0}, "n_prefixes"), ({"tail_blocks": (3, 2)}, "tail_blocks"),
+                                          ({"n_requests": 0}, "n_requests"), ({"output_range": (5, 1)}, "output_range")])
+def test_zipf_prefixes_bad_arguments_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        wl.zipf_prefixes(**kwargs)

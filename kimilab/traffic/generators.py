@@ -1,4 +1,5 @@
-"""Seeded workload generators: chat, agent loops, document Q&A, a Mooncake-like trace, a mixed load.
+"""Seeded workload generators: chat, agent loops, document Q&A, a Mooncake-like trace, a mixed load,
+and shared prefixes of Zipf popularity (the skew knob real traces do not have).
 
 Every generator is seeded with ``numpy.random.default_rng`` and returns the
 same requests on every machine. The chat, agent and document generators
@@ -21,7 +22,7 @@ from kimilab.traffic.segments import (DEFAULT_VOCAB, Spec, Uids, draw_lengths, m
 from kimilab.validate import check_float, check_int
 
 __all__ = ["chat_specs", "chat_sessions", "agent_loops", "document_qa", "mooncake_conversation_like",
-           "mixed_workload"]
+           "mixed_workload", "zipf_prefixes"]
 
 
 def chat_specs(n_sessions: int, seed: int, *, mean_turns: float, max_turns: int,
@@ -306,3 +307,45 @@ def mixed_workload(seed: int = 0, *, duration_ms: int = 60_000, chat_rate_per_s:
     rows += [(int(t), 1, "document", int(p), int(o)) for t, p, o in zip(docs_t, doc_prompt, doc_out)]
     rows.sort()
     return [Request(i, t, p, o, kind=kind) for i, (t, _, kind, p, o) in enumerate(rows)]
+
+
+def zipf_prefixes(n_requests: int = 1000, *, exponent: float = 1.0, n_prefixes: int = 256,
+                  prefix_blocks: int = 16, seed: int = 0, rate_per_s: float = 6.0,
+                  tail_blocks: tuple[int, int] = (1, 8), output_range: tuple[int, int] = (50, 600),
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> list[Request]:
+    """Requests that open with one of ``n_prefixes`` shared prefixes, drawn Zipf(``exponent``).
+
+    Prefix i (0-based) has weight ``(i + 1) ** -exponent``: exponent 0 is uniform
+    popularity, 1-2 is a few hot documents or system prompts. Each prefix is
+    ``prefix_blocks`` blocks; each request adds its own tail of ``tail_blocks`` blocks
+    (its last one partial) and arrives Poisson at ``rate_per_s``. Hash-id requests;
+    the same seed gives the same list for every exponent except the prefixes drawn.
+    """
+    n_requests = check_int("n_requests", n_requests, 1)
+    n_prefixes = check_int("n_prefixes", n_prefixes, 1)
+    prefix_blocks = check_int("prefix_blocks", prefix_blocks, 1, unit="blocks")
+    exponent = check_float("exponent", exponent, minimum=0)
+    if not rate_per_s > 0:
+        raise ValueError(f"rate_per_s={rate_per_s!r}: expected a positive rate (requests per second)")
+    lo, hi = tail_blocks
+    if not 1 <= lo <= hi:
+        raise ValueError(f"tail_blocks={tail_blocks!r}: expected 1 <= low <= high")
+    if not 0 <= output_range[0] <= output_range[1]:
+        raise ValueError(f"output_range={output_range!r}: expected 0 <= low <= high (tokens)")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1000.0 / rate_per_s, n_requests)
+    tails = rng.integers(lo, hi + 1, n_requests)
+    short = rng.integers(0, block_size - 1, n_requests)
+    outs = rng.integers(output_range[0], output_range[1] + 1, n_requests)
+    u = rng.random(n_requests)  # one uniform per request: the exponent only bends the inverse CDF
+    weights = np.arange(1, n_prefixes + 1, dtype=np.float64) ** -float(exponent)
+    which = np.searchsorted(np.cumsum(weights) / weights.sum(), u, side="right")
+    base, fresh = 10**9, 2 * 10**9
+    out, t = [], 0.0
+    for i in range(n_requests):
+        t += gaps[i]
+        head = tuple(range(base + int(which[i]) * prefix_blocks, base + (int(which[i]) + 1) * prefix_blocks))
+        ids = head + tuple(range(fresh, fresh + int(tails[i])))
+        fresh += int(tails[i])
+        out.append(Request(i, int(t), len(ids) * block_size - int(short[i]), int(outs[i]), hash_ids=ids))
+    return out
