@@ -3,7 +3,7 @@ state machine holding every invariant across random allocate / share / free / ex
 
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kimilab import config
@@ -299,3 +299,33 @@ def consumes_nothing():
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "each", "free"]), st.integers(0, 6)), max_size=40))
+def test_allocate_each_is_count_single_page_allocations(ops):
+    """allocate_each(kind, n) hands out the same pages, block and handle ids as n calls of
+    allocate(kind, 1), from any history of allocations and frees; stats agree too."""
+    a, b = PagePool(24, 64, backed=False), PagePool(24, 64, backed=False)
+    held_a, held_b = [], []
+    for op, n in ops:
+        if op == "free" and held_a:
+            i = n % len(held_a)
+            a.free(held_a.pop(i))
+            b.free(held_b.pop(i))
+            continue
+        pages = n if op == "each" else 1
+        if pages > a.n_free:
+            with pytest.raises(PoolExhausted):
+                a.allocate_each("kv", pages)
+            continue
+        got = a.allocate_each("kv", pages)
+        want = [b.allocate("kv", 1) for _ in range(pages)]
+        assert [(x.pages.tolist(), x.handle_id, x._block.block_id) for x in got] == \
+               [(x.pages.tolist(), x.handle_id, x._block.block_id) for x in want]
+        held_a += got
+        held_b += want
+        assert a.stats() == b.stats()
+    assert a.allocate_each("kv", 0) == []
+    with pytest.raises(ValueError, match="count"):
+        a.allocate_each("kv", -1)

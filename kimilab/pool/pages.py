@@ -159,6 +159,46 @@ class PagePool:
             self._pages2d()[block.pages] = 0
         return Allocation(block, self._uid, next(self._handle_ids), owner)
 
+    def allocate_each(self, kind: str, count: int, *, owner=None) -> list[Allocation]:
+        """``count`` allocations of one page each, checked (and reclaimed for) once.
+
+        Page for page, id for id, what ``count`` calls of ``allocate(kind, 1)`` return:
+        a cache caching a prompt's blocks takes them in one call.
+        """
+        code = check_kind(kind)
+        count = check_int("count", count, 0)
+        if not count:
+            return []
+        if not self.ensure_free(count):
+            raise PoolExhausted.of(self, kind, count)
+        stack = self._stack
+        recycled = min(count, len(stack))
+        if recycled:
+            pages = stack[-recycled:]
+            del stack[-recycled:]
+            pages.reverse()
+        else:
+            pages = []
+        fresh = count - recycled
+        if fresh:
+            pages.extend(range(self._bump, self._bump + fresh))
+            self._bump += fresh
+            self._page_kind.extend(bytes(fresh))
+        kinds, mark = self._page_kind, code + 1
+        block_ids, handle_ids, blocks = self._block_ids, self._handle_ids, self._blocks
+        uid, page_bytes = self._uid, self.page_bytes
+        out = []
+        for p in pages:
+            kinds[p] = mark
+            block = _Block(next(block_ids), kind, [p], page_bytes)
+            blocks[block.block_id] = block
+            out.append(Allocation(block, uid, next(handle_ids), owner))
+        self._pages_by_kind[kind] += count
+        self._requested_by_kind[kind] += count * page_bytes
+        self._high_water = max(self._high_water, self.n_used)
+        self._n_handles += count
+        return out
+
     def allocate_bytes(self, kind: str, nbytes: int, *, zero: bool = False, owner=None) -> Allocation:
         """Allocate enough pages for ``nbytes`` bytes."""
         return self.allocate(kind, self.pages_for_bytes(nbytes), nbytes=nbytes, zero=zero, owner=owner)

@@ -314,7 +314,7 @@ class RadixTree:
             return []
         need = n_pages * count
         if pool.n_free >= need:
-            return [pool.allocate(kind, n_pages, nbytes=nbytes) for _ in range(count)]
+            return self._take(kind, n_pages, count, nbytes)
         self._collecting = True
         try:
             self.reclaim(need)
@@ -333,9 +333,14 @@ class RadixTree:
         out = parked[:count]
         for a in parked[count:]:
             pool.free(a)
-        while len(out) < count and pool.n_free >= n_pages:
-            out.append(pool.allocate(kind, n_pages, nbytes=nbytes))
+        out += self._take(kind, n_pages, min(count - len(out), pool.n_free // n_pages), nbytes)
         return out
+
+    def _take(self, kind: str, n_pages: int, count: int, nbytes: int | None) -> list:
+        """``count`` fresh allocations from the pool (one call for single pages)."""
+        if n_pages == 1 and nbytes is None:
+            return self.pool.allocate_each(kind, count)
+        return [self.pool.allocate(kind, n_pages, nbytes=nbytes) for _ in range(count)]
 
     @property
     def n_available(self) -> int:
