@@ -136,6 +136,10 @@ def _parser() -> _Parser:
     c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree"])
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--even", action="store_true", help="equal slices (default: rank 0 takes more, to balance)")
+    c.add_argument("--affine-cost", type=float, default=1.25,
+                   help="work per token of a corrected (affine) slice over a plain one, for balancing (default 1.25)")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="alternate the one-rank and P-rank runs this many times after a warm-up; medians (default 1)")
     c.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds any blocking call may wait")
     return top
 
@@ -204,7 +208,8 @@ def _cp(args, parser) -> int:
 
     try:
         out = mpi_run(args.tokens, args.heads, args.dim, args.dtype, seed=args.seed, scheme=args.scheme,
-                      affine_cost=None if args.even else 1.25, timeout=args.timeout)
+                      affine_cost=None if args.even else args.affine_cost, timeout=args.timeout,
+                      repeats=args.repeats)
     except (ValueError, TimeoutError) as exc:
         parser.error(str(exc))
     if out is not None:

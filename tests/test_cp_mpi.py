@@ -59,3 +59,22 @@ def test_cli_arguments_are_checked_without_mpi():
     done = subprocess.run([sys.executable, "-m", "kimilab", "cp", "--tokens", "0"], capture_output=True,
                           text=True, timeout=TIMEOUT)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_repeats_alternate_both_runs_and_report_medians():
+    """--repeats 3: three timed runs of each after a warm-up; the speedup is the ratio of the medians;
+    bytes are per run; a bad count is an error on every rank."""
+    exe = _mpiexec_or_skip()
+    done = _cp(exe, 2, "--tokens", 400, "--heads", 2, "--dim", 8, "--dtype", "float64", "--repeats", 3,
+               "--affine-cost", 1.5)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    ones, walls = out["seconds_one_rank_each"], out["seconds_p_ranks_each"]
+    assert out["repeats"] == 3 and len(ones) == len(walls) == 3 and out["max_abs_error"] <= 1e-10
+    assert out["seconds_one_rank"] == sorted(ones)[1] and out["seconds_p_ranks"] == sorted(walls)[1]
+    assert out["speedup"] == pytest.approx(sorted(ones)[1] / sorted(walls)[1])
+    once = json.loads(_cp(exe, 2, "--tokens", 400, "--heads", 2, "--dim", 8, "--dtype", "float64",
+                          "--affine-cost", 1.5).stdout)
+    assert once["bytes_sent_per_rank"] == out["bytes_sent_per_rank"] and once["bounds"] == out["bounds"]
+    bad = _cp(exe, 2, "--tokens", 400, "--repeats", 0)
+    assert bad.returncode == 2 and bad.stderr.count("repeats") >= 2, bad.stderr

@@ -147,11 +147,12 @@ class MPIComm(Comm):
     def _sleepy_barrier(self) -> None:
         """A barrier that sleeps while it waits (MPI's spins, stealing a core from ranks still working)
         and times out instead of hanging."""
-        req, deadline = self._c.Ibarrier(), time.monotonic() + self.timeout
+        req, deadline, nap = self._c.Ibarrier(), time.monotonic() + self.timeout, 1e-5
         while not req.Test():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: other ranks did not arrive within {self.timeout} s")
-            time.sleep(1e-4)
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)  # a long wait (another rank's one-rank reference) polls rarely
 
     def allgather(self, obj) -> list:
         self._count(obj, self.size - 1)

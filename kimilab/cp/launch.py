@@ -25,6 +25,7 @@ from kimilab.cp.kda_cp import cp_kda_rank
 from kimilab.cp.split import balanced_weights, slices, split_bounds
 from kimilab.kda import chunk_kda
 from kimilab.kda.testing import random_inputs
+from kimilab.validate import check_int
 
 __all__ = ["mpi_run", "launch", "mpiexec_path", "ONE_THREAD"]
 
@@ -33,33 +34,42 @@ ONE_THREAD = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", 
 
 
 def mpi_run(tokens: int, heads: int = 4, dim: int = 64, dtype: str = "float32", *, seed: int = 0,
-            scheme: str = "allgather", affine_cost: float | None = 1.25, timeout: float = 120.0) -> dict | None:
+            scheme: str = "allgather", affine_cost: float | None = 1.25, timeout: float = 120.0,
+            repeats: int = 1) -> dict | None:
     """Every rank calls this under mpiexec; rank 0 returns the result dict, the others None.
 
     Slices are weighted by :func:`~kimilab.cp.split.balanced_weights` with ``affine_cost``
     (None: even). Errors (P > T, ...) are raised on every rank before anything blocks.
+    With ``repeats`` > 1 the one-rank reference and the P-rank run alternate that many
+    times after one untimed warm-up of each, and the speedup is the ratio of the medians
+    (a shared machine's noise hits both alike).
     """
+    repeats = check_int("repeats", repeats, 1)
     comm = MPIComm(timeout=timeout)
     P, r = comm.size, comm.rank
     weights = None if affine_cost is None or P == 1 else balanced_weights(P, affine_cost)
     bounds = split_bounds(tokens, P, weights)  # same on every rank; raises on every rank
     (q, k, v, g, beta), _ = random_inputs(tokens, heads, dim, dim, seed=seed, dtype=dtype)
-    ref = None
-    comm.barrier()
-    if r == 0:
-        t0 = time.perf_counter()
-        ref = chunk_kda(q, k, v, g, beta)
-        one = time.perf_counter() - t0
-    comm.barrier()
     part = slices(bounds)[r]
     mine = tuple(np.ascontiguousarray(x[part]) for x in (q, k, v, g, beta))
-    comm.barrier()
-    t0 = time.perf_counter()
-    o, S = cp_kda_rank(comm, *mine, scheme=scheme)
-    mine_seconds = time.perf_counter() - t0
-    comm.barrier()
-    wall = time.perf_counter() - t0
-    sent = (comm.bytes_sent, comm.messages_sent)
+    ones, walls, ref = [], [], None
+    runs = repeats + (repeats > 1)  # the first of several is a warm-up
+    for _ in range(runs):
+        comm.barrier()
+        if r == 0:
+            t0 = time.perf_counter()
+            ref = chunk_kda(q, k, v, g, beta)
+            ones.append(time.perf_counter() - t0)
+        comm.barrier()
+        t0 = time.perf_counter()
+        o, S = cp_kda_rank(comm, *mine, scheme=scheme)
+        mine_seconds = time.perf_counter() - t0
+        comm.barrier()
+        walls.append(time.perf_counter() - t0)
+    if repeats > 1:
+        ones, walls = ones[1:], walls[1:]
+    one, wall = float(np.median(ones)) if r == 0 else 0.0, float(np.median(walls))
+    sent = (comm.bytes_sent // runs, comm.messages_sent // runs)  # every run sends the same
     gathered = comm.allgather((mine_seconds, sent))
     if r > 0:
         comm.send(o, 0)
@@ -70,7 +80,8 @@ def mpi_run(tokens: int, heads: int = 4, dim: int = 64, dtype: str = "float32", 
     err = max(float(np.abs(np.concatenate(outs) - ref[0]).max()), float(np.abs(S_last - ref[1]).max()))
     return {"ranks": P, "tokens": tokens, "heads": heads, "dim": dim, "dtype": str(np.dtype(dtype)),
             "scheme": scheme, "bounds": bounds, "max_abs_error": err,
-            "seconds_p_ranks": wall, "seconds_one_rank": one, "speedup": one / wall,
+            "seconds_p_ranks": wall, "seconds_one_rank": one, "speedup": one / wall, "repeats": repeats,
+            "seconds_p_ranks_each": walls, "seconds_one_rank_each": ones,
             "seconds_per_rank": [s for s, _ in gathered],
             "bytes_sent_per_rank": [b for _, (b, _) in gathered],
             "messages_sent_per_rank": [m for _, (_, m) in gathered]}
@@ -83,7 +94,7 @@ def mpiexec_path() -> str | None:
 
 
 def launch(ranks: int, tokens: int, *, heads: int = 4, dim: int = 64, dtype: str = "float32",
-           extra: tuple = (), timeout: float = 300.0) -> dict:
+           extra: tuple = (), repeats: int = 1, timeout: float = 300.0) -> dict:
     """``mpiexec -n ranks python -m kimilab cp ...`` in a subprocess; the parsed JSON object.
 
     Raises RuntimeError with mpiexec's last stderr line if it fails or times out.
@@ -92,7 +103,7 @@ def launch(ranks: int, tokens: int, *, heads: int = 4, dim: int = 64, dtype: str
     if exe is None:
         raise RuntimeError("mpiexec not found: install the mpich wheel (pip install mpich)")
     cmd = [exe, "-n", str(ranks), sys.executable, "-m", "kimilab", "cp", "--tokens", str(tokens),
-           "--heads", str(heads), "--dim", str(dim), "--dtype", dtype, *map(str, extra)]
+           "--heads", str(heads), "--dim", str(dim), "--dtype", dtype, "--repeats", str(repeats), *map(str, extra)]
     env = {**os.environ, **ONE_THREAD}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
