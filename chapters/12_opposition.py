@@ -710,3 +710,12 @@ verify("12.3", answer)
 # **12.5 (open)** Section 1 counts prompts only. Add each request's output tokens to its
 # context (the trace has `output_length`) and recompute the share of requests below the
 # crossovers. Which conclusion changes?
+#
+# **12.6 (open) Seeds and loads.** Section 6 ran one seed at two loads, and past exponent
+# 1.5 the ratio wandered. Re-run the skew sweep with `seed=1` and `seed=2` in
+# `wl.zipf_prefixes` and a third load. Does the exponent where affinity stops paying
+# move? How many seeds would you need before you print it with two digits?
+#
+# **12.7 (open) The fold in bf16.** Section 5's fold is float32. Round each transition to
+# bf16 before the fold (zero the low 16 bits of its float32 bits) and find the P from
+# which the fold's error passes one device's fp32 kernel. Compare with exercise 9.5.
