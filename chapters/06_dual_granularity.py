@@ -1,10 +1,14 @@
 # ---
 # jupyter:
 #   jupytext:
+#     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -95,9 +99,11 @@ print(f"KV tokens one checkpoint displaces: {ckpt_bytes // kv_per_token:>12,d}")
 # request:
 #
 # 1. match the prompt's blocks: the **KV hit** is the deepest cached block;
-# 2. the **usable hit** is the deepest node *on that path* with a checkpoint
+# 2. the **usable hit** is the deepest node *on that path* with a *computed* checkpoint
 #    (capped at prompt length − 1, since the last prompt token must be computed to get
-#    the logits that start decoding);
+#    the logits that start decoding). In a replay every request finishes before the next
+#    begins, so every checkpoint is computed; chapter 10's engine runs requests side by
+#    side and marks a checkpoint computed only once a prefill has passed it;
 # 3. insert the missing blocks, evicting if the pool is full;
 # 4. let the policy pick the positions, beyond the usable hit, where the prefill (which
 #    passes through them anyway) should leave a checkpoint, and admit them.

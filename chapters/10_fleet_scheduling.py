@@ -106,11 +106,13 @@ for name, value in rows:
 # finishes, crosses a page boundary or something arrives, so the engine jumps over
 # them in one go. Admission pins the prompt's blocks in the prefix cache; the usable
 # hit is where prefill starts. The cache lists the prompt's blocks and checkpoints
-# before they are computed, so a request that is refused (no room yet) or preempted
-# mid-prefill takes back, with `abandon`, everything it had not computed: otherwise the
-# retry would "hit" states nobody ever produced. (The one approximation left: a
-# request admitted while another is still prefilling a shared prefix hits that
-# prefix's blocks at once, as if the other had finished.)
+# before they are computed, so three rules keep it honest: a checkpoint counts as a
+# starting point only once a prefill has passed its position; a request that is refused
+# (no room yet) or preempted mid-prefill takes back, with `abandon`, everything it had
+# not computed; and a request that arrives while another is still prefilling a shared
+# prefix starts from the last state already computed, not from the end of the prefix.
+# (The real-tensor twin of this engine, `kimilab.engine.tensor`, raises if a request
+# ever starts from a state no prefill stored.)
 
 # %%
 show_source(Engine._admit)

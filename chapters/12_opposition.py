@@ -570,12 +570,12 @@ plt.show()
 
 # %% [markdown]
 # Takeaway: while popularity is spread out, affinity cuts the mean TTFT by about a third
-# (0.68x and 0.64x at exponent 0), because least-loaded routing would need every prefix
+# (0.68x and 0.66x at exponent 0), because least-loaded routing would need every prefix
 # on every instance. From exponent 1.5 that gain is gone at both loads: the hot prefixes
 # end up cached everywhere anyway (least-loaded's usable hit rises from 0.011 to 0.685)
 # while affinity concentrates the work (its busiest instance is busy 0.54 of the time,
-# against 0.35). Past that point the ratio wanders between 0.94 and 1.44 with the load
-# and the exponent: no reliable gain either way, and least-loaded is the simpler router.
+# against 0.35). Past that point affinity loses at every exponent and both loads (its
+# mean TTFT 1.05x to 1.42x least-loaded's), and least-loaded is the simpler router.
 #
 # Isolation is insurance with a premium: next to a light neighbour, fair admission lets
 # the neighbour's documents in ahead of chat turns and the chat tail gets worse (a p99 of
@@ -711,10 +711,10 @@ verify("12.3", answer)
 # context (the trace has `output_length`) and recompute the share of requests below the
 # crossovers. Which conclusion changes?
 #
-# **12.6 (open) Seeds and loads.** Section 6 ran one seed at two loads, and past exponent
-# 1.5 the ratio wandered. Re-run the skew sweep with `seed=1` and `seed=2` in
-# `wl.zipf_prefixes` and a third load. Does the exponent where affinity stops paying
-# move? How many seeds would you need before you print it with two digits?
+# **12.6 (open) Seeds and loads.** Section 6 ran one seed at two loads. Re-run the skew
+# sweep with `seed=1` and `seed=2` in `wl.zipf_prefixes` and a third load. Does the
+# exponent where affinity stops paying move? How many seeds would you need before you
+# print it with two digits?
 #
 # **12.7 (open) The fold in bf16.** Section 5's fold is float32. Round each transition to
 # bf16 before the fold (zero the low 16 bits of its float32 bits) and find the P from

@@ -22,6 +22,7 @@ times stay exactly those of the accounting run.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from kimilab.config import ModelConfig
@@ -86,7 +87,9 @@ class Engine:
         return self.memory.pool.n_used + sum(l.req.input_length // self.block for l in self.queue)
 
     def match(self, req) -> tuple[int, int]:
-        """(KV hit, usable hit) a request would get here now, without touching the cache."""
+        """(KV hit, usable hit) a request would get here, without touching the cache. A router's
+        estimate: it counts checkpoints whose prefill is still under way (computed, as a rule,
+        before a request routed now is admitted); admission itself starts only from computed ones."""
         cache = self.memory.cache(req.tenant)
         m = cache.tree.match(**prompt_of(req))
         limit = req.input_length - 1
@@ -122,9 +125,9 @@ class Engine:
             pool.free(a)
         live.allocs = []
         if live.done >= live.ctx:
-            live.cache.finish(live.path)
+            live.cache.finish(live.path, live.marked)
         else:  # preempted mid-prefill: what it did not compute leaves the cache
-            live.cache.abandon(live.path, live.outcome, live.added, live.done)
+            live.cache.abandon(live.path, live.outcome, live.added, live.done, live.marked)
         live.path, live.cache, live.outcome, live.added = [], None, None, ()
         self._blocked = False
 
@@ -143,6 +146,7 @@ class Engine:
         live.allocs = [pool.allocate("kda_state", mem.state_pages), pool.allocate("kv", kv_pages)]
         live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
         live.outcome, live.added = out, added
+        live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)  # its prefill starts here
         live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit
         live.served += out.usable_hit
         live.computed += live.ctx - out.usable_hit
@@ -259,6 +263,7 @@ class Engine:
             l.generated += k
         for l, c in chunks:
             l.done += c
+            l.marked = l.cache.mark_computed(l.path, l.done, l.marked)  # others may start from here now
             if l.done >= l.ctx and l.generated < l.req.output_length:  # the prefill's last logits: one token
                 l.generated += 1
                 if l.first_token_s is None:

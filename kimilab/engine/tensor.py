@@ -24,14 +24,12 @@ What decides and what holds the tensors:
   cache evicts a checkpoint, its tensors are unreachable (and pruned). The
   store's bytes are *not* the pool's pages: the pool's accounting (one page per
   KV block, shared; checkpoint pages) is what the scheduler sees.
-* The accounting cache admits a checkpoint when a request *begins* -- before its
-  prefill has reached it, and even when the engine's memory check then refuses
-  the admission (the checkpoint stays; the retry hits it). A request admitted
-  onto such a checkpoint (never computed: its producer was refused, preempted
-  before getting there, or is still prefilling) finds no tensors: the executor
-  then computes them from the deepest stored snapshot below (or from scratch)
-  outside the schedule, and counts those tokens in ``unscheduled_tokens`` -- the
-  simulated step times do not include them (the accounting run gets them free).
+* The accounting cache admits a checkpoint when a request *begins*, before its
+  prefill has reached it; the engine marks it computed when a prefill passes its
+  position, takes it back if the request is refused or preempted first
+  (``HybridPrefixCache.abandon``), and admission starts only from computed ones.
+  So every usable hit has a stored snapshot, and a hit without one is an error
+  here (the two caches would disagree), not something quietly recomputed.
 
 One executor serves one Engine; re-routing a failed instance's requests to
 another instance's executor is not supported (their streamed tokens stay here).
@@ -90,9 +88,7 @@ class TensorExecutor(Executor):
     """Runs an engine's decisions on ``model`` (greedy); ``tokens[request_id]`` is what each request made.
 
     Counters: ``store_hit_tokens`` (hit tokens resumed from a stored snapshot),
-    ``unscheduled_tokens`` (tokens computed outside the schedule to build a
-    snapshot the accounting cache already counted as cached), ``chunk_log``
-    (``(request_id, start, n_tokens)`` of every prefill chunk run).
+    ``chunk_log`` (``(request_id, start, n_tokens)`` of every prefill chunk run).
     """
 
     def __init__(self, model: Model):
@@ -103,7 +99,7 @@ class TensorExecutor(Executor):
         self._caches: dict[Live, HybridCache] = {}  # running requests' caches (made at their first chunk)
         self._store: dict[object, tuple[object, HybridCache]] = {}  # checkpoint -> (node, snapshot)
         self._start: dict[Live, object] = {}  # admitted, no cache yet -> its usable node (or None)
-        self.store_hit_tokens = self.unscheduled_tokens = 0
+        self.store_hit_tokens = 0
         self.chunk_log: list[tuple[int, int, int]] = []
 
     # ----- hooks ----------------------------------------------------------------
@@ -191,7 +187,7 @@ class TensorExecutor(Executor):
         return logits
 
     def _begin(self, live: Live) -> HybridCache:
-        """The request's cache at its usable hit: a copy of the stored snapshot there (built if missing)."""
+        """The request's cache at its usable hit: a copy of the stored snapshot there."""
         node = self._start.pop(live)
         h = live.hit
         if h == 0:
@@ -199,14 +195,11 @@ class TensorExecutor(Executor):
         else:
             assert node is not None and node.end == h, (h, node)
             snap = self._snapshot(node)
-            if snap is not None:
-                self.store_hit_tokens += h
-                cache = snap.clone()
-            else:  # counted as cached but never computed: build it off the schedule
-                below = [n for n in live.path if n.end < h and self._snapshot(n) is not None]
-                cache = self._snapshot(below[-1]).clone() if below else self.model.new_cache()
-                self.unscheduled_tokens += h - cache.seq_len
-                self._absorb(live, cache, cache.seq_len, h)
+            if snap is None:
+                raise AssertionError(f"request {live.req.request_id}: usable hit {h} on a checkpoint no "
+                                     f"prefill stored (the accounting cache counts a state never computed)")
+            self.store_hit_tokens += h
+            cache = snap.clone()
         self._caches[live] = cache
         return cache
 

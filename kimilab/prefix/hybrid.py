@@ -41,16 +41,20 @@ def shared_costs(config: ModelConfig) -> CacheCosts:
 class Checkpoint:
     """A cached state at the end of a tree node: its pages and its rank for eviction.
 
-    With real tensors (:mod:`kimilab.prefix.tensors`) the pages hold the states' bytes.
+    ``computed`` is False from admission until a prefill has passed its position: a
+    request that arrives meanwhile cannot start from it (it finds the pages reserved,
+    not the state). With real tensors (:mod:`kimilab.prefix.tensors`) the pages hold the
+    states' bytes.
     """
 
-    __slots__ = ("alloc", "priority", "serial", "last_access")
+    __slots__ = ("alloc", "priority", "serial", "last_access", "computed")
 
     def __init__(self, alloc, last_access: int):
         self.alloc = alloc
         self.priority = 0.0
         self.serial = -1
         self.last_access = last_access
+        self.computed = False
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,8 @@ class HybridPrefixCache:
         else:
             usable = 0
             for node in reversed(m.nodes):
-                if node.payload is not None and node.end <= limit:
+                ck = node.payload
+                if ck is not None and ck.computed and node.end <= limit:
                     usable, usable_node = node.end, node
                     break
         added = []
@@ -274,16 +279,19 @@ class HybridPrefixCache:
         own memory comes out of the same pool); False if everything left is pinned."""
         return self.reclaim(check_int("n_pages", n_pages, 0))
 
-    def abandon(self, path, outcome: Outcome, added, computed: int) -> None:
+    def abandon(self, path, outcome: Outcome, added, computed: int, start: int = 0) -> None:
         """Unpin a request's path when it stops before its prefill is done (refused or preempted).
 
         :meth:`begin` put the prompt's blocks and checkpoints in the cache before they
         were computed; past ``computed`` tokens they never were. The checkpoints this
         request ``added`` there and the blocks it inserted there (after the
         ``outcome.matched_blocks`` it found) leave the cache again, unless another
-        request holds them; so nobody later hits work that was never done.
+        request holds them; so nobody later hits work that was never done. Checkpoints
+        from ``path[start]`` up to ``computed`` are marked computed (``start``: where this
+        request's own prefill began, as in :meth:`mark_computed`).
         """
         computed = check_int("computed", computed, 0, unit="tokens")
+        self.mark_computed(path, computed, start)
         tree = self.tree
         tree.unpin(path)
         for node in added:
@@ -302,10 +310,26 @@ class HybridPrefixCache:
             self.pages_admitted -= tree.allocs_per_node
         self._requeue_checkpoints(path)
 
-    def finish(self, path) -> None:
-        """Unpin a request's path; its checkpoints become evictable again."""
+    def finish(self, path, start: int = 0) -> None:
+        """Unpin a request's path after its whole prompt was computed from ``path[start]`` on
+        (default: all of it, as in a replay); those checkpoints are computed, and all of the
+        path's become evictable again."""
+        self.mark_computed(path, path[-1].end if path else 0, start)
         self.tree.unpin(path)
         self._requeue_checkpoints(path)
+
+    @staticmethod
+    def mark_computed(path, done: int, start: int = 0) -> int:
+        """A prefill that began at ``path[start]`` has reached token ``done``: the checkpoints
+        it passed hold real states now (those before ``start`` are someone else's). Returns
+        the index of the first node past ``done``: the next call's ``start``."""
+        i, n = start, len(path)
+        while i < n and path[i].end <= done:
+            ck = path[i].payload
+            if ck is not None:
+                ck.computed = True
+            i += 1
+        return i
 
     def _requeue_checkpoints(self, path) -> None:
         if self.policy.free_states:
