@@ -485,15 +485,13 @@ print(verdicts["context parallelism"])
 #
 # Chapter 10's prefix affinity (the rule of SGLang's cache-aware router,
 # [sglang-router](references.md#sglang-router)) sends a request to the instance that
-# holds its prefix.
-# That pays while the fleet's caches cannot all hold every popular prefix, and stops
+# holds its prefix. That pays while the fleet's caches cannot all hold every popular prefix, and stops
 # paying when popularity is so skewed that least-loaded routing caches the few hot
 # prefixes everywhere anyway while affinity piles them onto a few instances. Generated
 # traffic (`wl.zipf_prefixes`: 256 shared 16-block prefixes, Zipf popularity, 600
 # requests, 1M tokens of memory per instance, 8 instances), because the real trace has
 # no knob for skew. Then isolation: chapter 10's quotas and fair admission
-# ([vtc](references.md#vtc)) rescue a chat
-# tenant from a document flood. What do they cost when the neighbour is not flooding?
+# ([vtc](references.md#vtc)) rescue a chat tenant from a document flood. What do they cost when the neighbour is not flooding?
 # The real trace's first 600 requests as the chat tenant, on one instance, next to
 # fewer or more 48-block documents.
 
@@ -577,10 +575,11 @@ plt.show()
 # against 0.35). Past that point affinity loses at every exponent and both loads (its
 # mean TTFT 1.05x to 1.42x least-loaded's), and least-loaded is the simpler router.
 #
-# Isolation is insurance with a premium: next to a light neighbour, fair admission lets
-# the neighbour's documents in ahead of chat turns and the chat tail gets worse (a p99 of
-# 1.497 s isolated against 1.017 s shared at 1.99 documents/s); it pays once the neighbour
-# would saturate the instance, and then by far (8.409 s against 30.831 s at 15.92/s).
+# Isolation is insurance with a premium. Fair admission serves first the tenant that has
+# been served fewer tokens, which next to a light neighbour is the neighbour, and the
+# chat tail gets worse (a p99 of 1.497 s isolated against 1.017 s shared at 1.99
+# documents/s). It pays once the neighbour would saturate the instance, and then by far
+# (8.409 s against 30.831 s at 15.92/s).
 
 # %%
 verdicts["fleet scheduling"] = (
