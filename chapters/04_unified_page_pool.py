@@ -1,10 +1,14 @@
 # ---
 # jupyter:
 #   jupytext:
+#     cell_metadata_filter: tags,-all
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -112,7 +116,13 @@ print(f"\n48B: one KDA state = {s48.state_bytes // s48.kv_token_bytes:,d} tokens
 # `page_bytes`. An **allocation** is a set of pages of one *kind* with a **reference
 # count**: `share` adds a handle to the same pages (prefix sharing in chapter 5 builds on
 # it), `free` drops one, and the pages go back when the last handle is freed. Free pages
-# sit on a stack, so allocating n pages costs O(n), never a scan of the pool:
+# sit on a stack, so taking n pages costs O(n), never a scan of the pool:
+
+# %%
+show_source(PagePool._take_pages)
+
+# %% [markdown]
+# `allocate` checks its arguments, takes the pages and wraps them in a handle:
 
 # %%
 show_source(PagePool.allocate)

@@ -119,18 +119,9 @@ class PagePool:
         """Would ``{kind: n_pages}`` fit right now (all of it together)?"""
         return sum(demand.values()) <= self.n_free
 
-    def allocate(self, kind: str, n_pages: int, *, nbytes: int | None = None,
-                 zero: bool = False, owner=None) -> Allocation:
-        """Take ``n_pages`` pages for ``kind``; ``nbytes`` (default: all of them) is what
-        the caller will really use, and the rest counts as internal waste. ``owner``
-        labels the handle (a request id, ``"prefix"``, ...)."""
-        code = check_kind(kind)
-        n = check_int("n_pages", n_pages, 1)
-        capacity = n * self.page_bytes
-        nbytes = capacity if nbytes is None else check_int("nbytes", nbytes, 0)
-        if nbytes > capacity:
-            raise ValueError(f"nbytes={nbytes}: more than the {n} page(s) asked for hold "
-                             f"({capacity} B at page_bytes={self.page_bytes})")
+    def _take_pages(self, kind: str, code: int, n: int) -> list[int]:
+        """``n`` free pages marked ``kind`` (recycled ones first, top of the stack first),
+        after asking :attr:`reclaim` for room; PoolExhausted if they do not fit."""
         if not self.ensure_free(n):
             raise PoolExhausted.of(self, kind, n)
         stack = self._stack
@@ -149,6 +140,21 @@ class PagePool:
         kinds, mark = self._page_kind, code + 1
         for p in pages:
             kinds[p] = mark
+        return pages
+
+    def allocate(self, kind: str, n_pages: int, *, nbytes: int | None = None,
+                 zero: bool = False, owner=None) -> Allocation:
+        """Take ``n_pages`` pages for ``kind``; ``nbytes`` (default: all of them) is what
+        the caller will really use, and the rest counts as internal waste. ``owner``
+        labels the handle (a request id, ``"prefix"``, ...)."""
+        code = check_kind(kind)
+        n = check_int("n_pages", n_pages, 1)
+        capacity = n * self.page_bytes
+        nbytes = capacity if nbytes is None else check_int("nbytes", nbytes, 0)
+        if nbytes > capacity:
+            raise ValueError(f"nbytes={nbytes}: more than the {n} page(s) asked for hold "
+                             f"({capacity} B at page_bytes={self.page_bytes})")
+        pages = self._take_pages(kind, code, n)
         block = _Block(next(self._block_ids), kind, pages, nbytes)
         self._blocks[block.block_id] = block
         self._pages_by_kind[kind] += n
@@ -169,27 +175,11 @@ class PagePool:
         count = check_int("count", count, 0)
         if not count:
             return []
-        if not self.ensure_free(count):
-            raise PoolExhausted.of(self, kind, count)
-        stack = self._stack
-        recycled = min(count, len(stack))
-        if recycled:
-            pages = stack[-recycled:]
-            del stack[-recycled:]
-            pages.reverse()
-        else:
-            pages = []
-        fresh = count - recycled
-        if fresh:
-            pages.extend(range(self._bump, self._bump + fresh))
-            self._bump += fresh
-            self._page_kind.extend(bytes(fresh))
-        kinds, mark = self._page_kind, code + 1
+        pages = self._take_pages(kind, code, count)
         block_ids, handle_ids, blocks = self._block_ids, self._handle_ids, self._blocks
         uid, page_bytes = self._uid, self.page_bytes
         out = []
         for p in pages:
-            kinds[p] = mark
             block = _Block(next(block_ids), kind, [p], page_bytes)
             blocks[block.block_id] = block
             out.append(Allocation(block, uid, next(handle_ids), owner))
