@@ -119,6 +119,8 @@ def test_invariants_under_random_operations(ops, n_pages, partial):
             tree.serve(keys, n_tokens)
         elif op == "pin":
             m = tree.match(keys, n_tokens)
+            k, c, b = tree._split(keys, n_tokens, None)  # the general path, to which match's hash-id walk is a twin
+            assert m.nodes == tree.match_blocks(k, c, b).nodes
             if m.nodes:
                 tree.pin(m.nodes)
                 pinned.append(m.nodes)

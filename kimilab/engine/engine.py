@@ -91,12 +91,17 @@ class Engine:
         estimate: it counts checkpoints whose prefill is still under way (computed, as a rule,
         before a request routed now is admitted); admission itself starts only from computed ones."""
         cache = self.memory.cache(req.tenant)
-        m = cache.tree.match(**prompt_of(req))
+        if req.tokens is None:  # hash ids: the tree's direct walk (every instance is asked, per request)
+            nodes = cache.tree._match_keys(req.hash_ids if req.hash_ids is not None else (), req.input_length)
+            hit = nodes[-1].end if nodes else 0
+        else:
+            m = cache.tree.match(tokens=req.tokens)
+            nodes, hit = m.nodes, m.hit_tokens
         limit = req.input_length - 1
-        kv = min(m.hit_tokens, limit)
+        kv = min(hit, limit)
         if cache.policy.free_states:
             return kv, kv
-        for node in reversed(m.nodes):
+        for node in reversed(nodes):
             if node.payload is not None and node.end <= limit:
                 return kv, node.end
         return kv, 0

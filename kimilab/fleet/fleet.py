@@ -18,6 +18,7 @@ from kimilab.costs import DEFAULT_DEPLOYMENT
 from kimilab.engine import Engine, Live, StepTimer
 from kimilab.fleet.result import FleetResult
 from kimilab.fleet.routers import make_router
+from kimilab.gcpause import gc_paused
 from kimilab.validate import check_float, check_int
 
 __all__ = ["Fleet", "ISOLATION", "run_fleet"]
@@ -81,18 +82,19 @@ class Fleet:
         start = time.perf_counter()
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_ms, i))
         pending_fails = sorted(fails, key=lambda f: (f[1], f[0]))
-        for i in order:
-            req = requests[i]
-            t = req.arrival_ms / 1000.0 / rate_scale
-            while pending_fails and pending_fails[0][1] <= t:
-                self.fail(*pending_fails.pop(0))
-            self._advance(t)
-            self._route(Live(req, t), t)
-        for index, t in pending_fails:
-            self.fail(index, t)
-        for e in self.alive():
-            e.drain()
-        return FleetResult.of(self, len(requests), time.perf_counter() - start)
+        with gc_paused():  # the run frees everything by reference counting (see kimilab.gcpause)
+            for i in order:
+                req = requests[i]
+                t = req.arrival_ms / 1000.0 / rate_scale
+                while pending_fails and pending_fails[0][1] <= t:
+                    self.fail(*pending_fails.pop(0))
+                self._advance(t)
+                self._route(Live(req, t), t)
+            for index, t in pending_fails:
+                self.fail(index, t)
+            for e in self.alive():
+                e.drain()
+            return FleetResult.of(self, len(requests), time.perf_counter() - start)
 
 
 def run_fleet(requests: Sequence, config: ModelConfig, *, instances: int, router: str,

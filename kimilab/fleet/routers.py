@@ -68,9 +68,9 @@ class PrefixAffinity(Router):
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return min(instances, key=lambda e: (e.load, e.index))
         best, best_key = None, None
-        for e in instances:
+        for e, load in zip(instances, loads):
             kv, usable = e.match(req)
-            key = (-(usable if self.usable else kv), e.load, e.index)
+            key = (-(usable if self.usable else kv), load, e.index)
             if best_key is None or key < best_key:
                 best, best_key = e, key
         if -best_key[0] > self.cache_threshold * req.input_length:

@@ -1,6 +1,7 @@
 """Prefix caching, one concept per module:
 
 * ``blocks``   how a prompt is cut into block keys (hash ids or token blocks)
+* ``nodes``    a cached block (Node) and a lookup's result (Match)
 * ``radix``    RadixTree: KV blocks of an attention model, pinned while used, evicted leaf-first
 * ``policies`` where a hybrid cache keeps state checkpoints, and what it evicts first
 * ``hybrid``   HybridPrefixCache: KV blocks + state checkpoints in one page pool (accounting)
@@ -12,7 +13,8 @@ from kimilab.prefix.blocks import block_token_counts, split_prompt
 from kimilab.prefix.hybrid import Checkpoint, HybridPrefixCache, Outcome
 from kimilab.prefix.policies import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, KVOnly, NoStates, Placement, Policy,
                                      check_interval, make_policy)
-from kimilab.prefix.radix import Match, Node, RadixTree
+from kimilab.prefix.nodes import Match, Node
+from kimilab.prefix.radix import RadixTree
 from kimilab.prefix.runs import RunPrefixCache
 from kimilab.prefix.tensors import ModelPrefixCache
 

@@ -21,7 +21,8 @@ from kimilab.costs import CacheCosts
 from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
 from kimilab.validate import check_int
 from kimilab.prefix.policies import Placement, Policy, check_interval
-from kimilab.prefix.radix import Node, RadixTree
+from kimilab.prefix.nodes import Node
+from kimilab.prefix.radix import RadixTree
 
 __all__ = ["Checkpoint", "Outcome", "HybridPrefixCache"]
 

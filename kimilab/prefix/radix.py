@@ -17,69 +17,15 @@ unpinned leaves only (a parent's prefix is needed by its children), oldest first
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
 
-from kimilab.prefix.blocks import split_prompt
+from kimilab.prefix.blocks import block_token_counts, split_prompt
+from kimilab.prefix.nodes import Match, Node
 from kimilab.validate import check_int
 
 __all__ = ["Node", "Match", "RadixTree"]
-
-
-class Node:
-    """One cached block. ``end`` = prefix length (tokens) up to and including it."""
-
-    __slots__ = ("key", "parent", "children", "n_tokens", "end", "alloc", "refcount", "last_access", "priority",
-                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id")
-
-    def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
-        self.key = key
-        self.parent = parent
-        self.children: dict = {}
-        self.n_tokens = n_tokens
-        self.end = end
-        self.alloc = alloc
-        self.refcount = 0
-        self.last_access = 0
-        self.priority = 0.0
-        self.heap_serial = -1
-        self.tokens = tokens
-        self.alive = True
-        self.payload = None  # free slot for higher layers (a state checkpoint)
-        self.block_data = None  # free slot for the block's contents (KV arrays), if kept
-        self.node_id = node_id
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        return f"Node(id={self.node_id}, end={self.end}, n_tokens={self.n_tokens}, ref={self.refcount})"
-
-
-@dataclass
-class Match:
-    """Result of looking a prompt up. ``nodes`` are whole cached blocks on the path.
-
-    ``partial_tokens`` counts tokens matched token-exactly inside a sibling's
-    block beyond the last whole node (only with ``partial_blocks`` and tokens).
-    """
-
-    nodes: list
-    partial_tokens: int = 0
-
-    @property
-    def block_tokens(self) -> int:
-        return self.nodes[-1].end if self.nodes else 0
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.block_tokens + self.partial_tokens
-
-    # An attention model reuses every cached token: its usable hit is its KV hit.
-    kv_hit = usable_hit = hit_tokens
 
 
 class RadixTree:
@@ -133,8 +79,29 @@ class RadixTree:
     # ----- lookup ----------------------------------------------------------
     def match(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
         """Longest cached prefix of a prompt. No side effects (no touch, no pin)."""
+        if tokens is None and keys is not None and n_tokens is not None:
+            return Match(self._match_keys(keys, int(n_tokens)), 0)
         keys, counts, blocks = self._split(keys, n_tokens, tokens)
         return self.match_blocks(keys, counts, blocks)
+
+    def _match_keys(self, keys, n_tokens: int) -> list:
+        """The cached whole blocks of a prompt given by hash ids: what ``_split`` then
+        ``match_blocks`` find, without building the per-block lists first (a router
+        looks every request up in every instance). A test holds the two equal."""
+        bs, n_keys = self.block_size, len(keys)
+        if n_tokens < 0 or n_keys != -(-n_tokens // bs):
+            block_token_counts(n_tokens, n_keys, bs)  # raises the error that names the argument
+        full = n_tokens // bs
+        last = n_tokens - full * bs  # tokens of a trailing partial block (0: none)
+        path = []
+        node = self.root
+        for j in range(n_keys if self.partial_blocks else full):
+            child = node.children.get(keys[j])
+            if child is None or child.n_tokens != (bs if j < full else last):
+                break
+            path.append(child)
+            node = child
+        return path
 
     def match_blocks(self, keys, counts, blocks=None) -> Match:
         """Longest cached prefix of a prompt already cut into block keys (see prefix.blocks)."""

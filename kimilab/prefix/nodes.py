@@ -1,0 +1,61 @@
+"""The radix tree's parts: a cached block (:class:`Node`) and a lookup's result (:class:`Match`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Node", "Match"]
+
+
+class Node:
+    """One cached block. ``end`` = prefix length (tokens) up to and including it."""
+
+    __slots__ = ("key", "parent", "children", "n_tokens", "end", "alloc", "refcount", "last_access", "priority",
+                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id")
+
+    def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
+        self.key = key
+        self.parent = parent
+        self.children: dict = {}
+        self.n_tokens = n_tokens
+        self.end = end
+        self.alloc = alloc
+        self.refcount = 0
+        self.last_access = 0
+        self.priority = 0.0
+        self.heap_serial = -1
+        self.tokens = tokens
+        self.alive = True
+        self.payload = None  # free slot for higher layers (a state checkpoint)
+        self.block_data = None  # free slot for the block's contents (KV arrays), if kept
+        self.node_id = node_id
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"Node(id={self.node_id}, end={self.end}, n_tokens={self.n_tokens}, ref={self.refcount})"
+
+
+@dataclass
+class Match:
+    """Result of looking a prompt up. ``nodes`` are whole cached blocks on the path.
+
+    ``partial_tokens`` counts tokens matched token-exactly inside a sibling's
+    block beyond the last whole node (only with ``partial_blocks`` and tokens).
+    """
+
+    nodes: list
+    partial_tokens: int = 0
+
+    @property
+    def block_tokens(self) -> int:
+        return self.nodes[-1].end if self.nodes else 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.block_tokens + self.partial_tokens
+
+    # An attention model reuses every cached token: its usable hit is its KV hit.
+    kv_hit = usable_hit = hit_tokens
