@@ -21,6 +21,8 @@ def check_int(name: str, value, minimum: int = 0, *, unit: str = "") -> int:
     Booleans are refused (``True`` is not a count); numpy integers are accepted.
     ``unit`` (e.g. ``"tokens"``) is added to the message.
     """
+    if type(value) is int and value >= minimum:  # the common case, decided without the isinstance chain
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
         what = f"an int >= {minimum}" + (f" ({unit})" if unit else "")
         raise ValueError(f"{name}={value!r}: expected {what}")

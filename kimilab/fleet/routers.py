@@ -51,8 +51,11 @@ class LeastLoaded(Router):
 
     def choose(self, req, instances):
         n = len(instances)
-        self.turn += 1
-        return min(instances, key=lambda e: (e.load, (e.index - self.turn) % max(n, 1)))
+        self.turn = turn = self.turn + 1
+        loads = [e.load for e in instances]
+        low = min(loads)
+        tied = [e for e, load in zip(instances, loads) if load == low]
+        return tied[0] if len(tied) == 1 else min(tied, key=lambda e: (e.index - turn) % n)
 
 
 class PrefixAffinity(Router):
