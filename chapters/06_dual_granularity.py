@@ -98,12 +98,13 @@ print(f"KV tokens one checkpoint displaces: {ckpt_bytes // kv_per_token:>12,d}")
 # of *n*'s block, so its whole prefix's KV is on the path above it, always. Serving one
 # request:
 #
-# 1. match the prompt's blocks: the **KV hit** is the deepest cached block;
+# 1. match the prompt's blocks: the **KV hit** is the deepest cached block whose KV has
+#    been computed;
 # 2. the **usable hit** is the deepest node *on that path* with a *computed* checkpoint
 #    (capped at prompt length − 1, since the last prompt token must be computed to get
 #    the logits that start decoding). In a replay every request finishes before the next
-#    begins, so every checkpoint is computed; chapter 10's engine runs requests side by
-#    side and marks a checkpoint computed only once a prefill has passed it;
+#    begins, so every block and checkpoint is computed; chapter 10's engine runs requests
+#    side by side and marks a block or checkpoint computed only once a prefill has passed it;
 # 3. insert the missing blocks, evicting if the pool is full;
 # 4. let the policy pick the positions, beyond the usable hit, where the prefill (which
 #    passes through them anyway) should leave a checkpoint, and admit them.

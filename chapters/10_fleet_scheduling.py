@@ -106,8 +106,9 @@ for name, value in rows:
 # finishes, crosses a page boundary or something arrives, so the engine jumps over
 # them in one go. Admission pins the prompt's blocks in the prefix cache; the usable
 # hit is where prefill starts. The cache lists the prompt's blocks and checkpoints
-# before they are computed, so three rules keep it honest: a checkpoint counts as a
-# starting point only once a prefill has passed its position; a request that is refused
+# before they are computed, so three rules keep it honest: a block counts as a KV hit,
+# and a checkpoint as a starting point, only once a prefill has passed its position; a
+# request that is refused
 # (no room yet) or preempted mid-prefill takes back, with `abandon`, everything it had
 # not computed; and a request that arrives while another is still prefilling a shared
 # prefix starts from the last state already computed, not from the end of the prefix.

@@ -165,20 +165,23 @@ def test_merge_keeps_hash_ids_apart():
 
 def test_a_request_starts_only_from_states_a_prefill_has_computed():
     """B shares A's 8-block prompt and is admitted while A is still prefilling (3,000 of 4,096
-    tokens done): it finds A's blocks (KV hit 4,096) but starts from the last checkpoint A's
-    prefill has passed (2,560), not from A's end-of-prompt checkpoint that holds nothing yet.
-    Arriving after A finished, B starts from 4,096."""
+    tokens done). A's eight blocks are all in the tree, but only the five A's prefill has passed
+    hold KV (KV hit 2,560), and B starts from the last checkpoint A has passed: 2,560 under
+    every-block, none under ends (A's one checkpoint, at 4,096, holds nothing yet).
+    Arriving after A finished, B finds and starts from all 4,096."""
     from kimilab.engine.tensor import submit
 
     ids = tuple(range(1, 9))
     hits = {}
-    for arrival_ms in (0, 10**6):
-        a = Request(0, 0, 8 * 512, 4, hash_ids=ids)
-        b = Request(1, arrival_ms, 9 * 512, 4, hash_ids=ids + (99,))
-        engine = Engine(kimi_linear_48b, capacity_tokens=None, token_budget=3000, policy="every-block")
-        submit(engine, [a, b])
-        engine.drain()
-        f = {x.request_id: x for x in engine.finished}[1]
-        hits[arrival_ms] = (f.usable_hit, f.kv_hit)
-        engine.check_no_leak()
-    assert hits == {0: (2560, 4096), 10**6: (4096, 4096)}
+    for policy in ("every-block", "ends"):
+        for arrival_ms in (0, 10**6):
+            a = Request(0, 0, 8 * 512, 4, hash_ids=ids)
+            b = Request(1, arrival_ms, 9 * 512, 4, hash_ids=ids + (99,))
+            engine = Engine(kimi_linear_48b, capacity_tokens=None, token_budget=3000, policy=policy)
+            submit(engine, [a, b])
+            engine.drain()
+            f = {x.request_id: x for x in engine.finished}[1]
+            hits[policy, arrival_ms] = (f.usable_hit, f.kv_hit)
+            engine.check_no_leak()
+    assert hits == {("every-block", 0): (2560, 2560), ("every-block", 10**6): (4096, 4096),
+                    ("ends", 0): (0, 2560), ("ends", 10**6): (4096, 4096)}

@@ -63,7 +63,7 @@ class Outcome:
     """What one request got from the cache (tokens)."""
 
     n_tokens: int
-    kv_hit: int  # deepest position with KV cached (what an attention model would reuse)
+    kv_hit: int  # deepest position with KV cached and computed (what an attention model would reuse)
     usable_hit: int  # deepest position with KV AND a state checkpoint: where prefill resumes
     checkpoints_added: int
     checkpoint_positions: tuple = ()
@@ -247,8 +247,15 @@ class HybridPrefixCache:
             raise ValueError(f"n_tokens={n}: expected a prompt of at least one token")
         m, path, _ = tree.insert(keys, n_tokens, tokens=tokens, pin=True)
         self.pages_admitted += (len(path) - len(m.nodes)) * self.tree.allocs_per_node
+        for node in path[len(m.nodes):]:
+            node.computed = False  # its KV exists once this request's prefill passes it
         limit = n - 1  # leave one token to compute: its logits start the decode
-        kv_hit = min(m.hit_tokens, limit)
+        kv = m.hit_tokens
+        for node in m.nodes:
+            if not node.computed:  # inserted by a request whose prefill has not reached it yet
+                kv = node.end - node.n_tokens
+                break
+        kv_hit = min(kv, limit)
         usable_node = None
         if policy.free_states:
             usable = kv_hit
@@ -313,7 +320,7 @@ class HybridPrefixCache:
 
     def finish(self, path, start: int = 0) -> None:
         """Unpin a request's path after its whole prompt was computed from ``path[start]`` on
-        (default: all of it, as in a replay); those checkpoints are computed, and all of the
+        (default: all of it, as in a replay); those blocks and checkpoints are computed, and all of the
         path's become evictable again."""
         self.mark_computed(path, path[-1].end if path else 0, start)
         self.tree.unpin(path)
@@ -321,11 +328,12 @@ class HybridPrefixCache:
 
     @staticmethod
     def mark_computed(path, done: int, start: int = 0) -> int:
-        """A prefill that began at ``path[start]`` has reached token ``done``: the checkpoints
-        it passed hold real states now (those before ``start`` are someone else's). Returns
-        the index of the first node past ``done``: the next call's ``start``."""
+        """A prefill that began at ``path[start]`` has reached token ``done``: the blocks and
+        checkpoints it passed hold real KV and states now (those before ``start`` are someone
+        else's). Returns the index of the first node past ``done``: the next call's ``start``."""
         i, n = start, len(path)
         while i < n and path[i].end <= done:
+            path[i].computed = True
             ck = path[i].payload
             if ck is not None:
                 ck.computed = True
@@ -377,6 +385,7 @@ class HybridPrefixCache:
         """Pool pages == KV pages in the tree + checkpoint pages; every checkpoint on a live node."""
         self.tree.check_invariants()
         nodes = self.tree.nodes()
+        assert all(n.computed or n.refcount for n in nodes), "an unpinned block was never computed"
         with_ck = [n for n in nodes if n.payload is not None]
         assert len(with_ck) == self.n_checkpoints, (len(with_ck), self.n_checkpoints)
         stats = self.pool.stats()

@@ -11,7 +11,7 @@ class Node:
     """One cached block. ``end`` = prefix length (tokens) up to and including it."""
 
     __slots__ = ("key", "parent", "children", "n_tokens", "end", "alloc", "refcount", "last_access", "priority",
-                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id")
+                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id", "computed")
 
     def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
         self.key = key
@@ -29,6 +29,7 @@ class Node:
         self.payload = None  # free slot for higher layers (a state checkpoint)
         self.block_data = None  # free slot for the block's contents (KV arrays), if kept
         self.node_id = node_id
+        self.computed = True  # False while a prefill that inserted it has not reached its end
 
     @property
     def is_leaf(self) -> bool:
