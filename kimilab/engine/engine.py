@@ -92,7 +92,7 @@ class Engine:
         before a request routed now is admitted); admission itself starts only from computed ones."""
         cache = self.memory.cache(req.tenant)
         if req.tokens is None:  # hash ids: the tree's direct walk (every instance is asked, per request)
-            nodes = cache.tree._match_keys(req.hash_ids if req.hash_ids is not None else (), req.input_length)
+            nodes = cache.tree.match_keys(req.hash_ids if req.hash_ids is not None else (), req.input_length)
             hit = nodes[-1].end if nodes else 0
         else:
             m = cache.tree.match(tokens=req.tokens)

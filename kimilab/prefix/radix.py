@@ -80,11 +80,11 @@ class RadixTree:
     def match(self, keys=None, n_tokens=None, *, tokens=None) -> Match:
         """Longest cached prefix of a prompt. No side effects (no touch, no pin)."""
         if tokens is None and keys is not None and n_tokens is not None:
-            return Match(self._match_keys(keys, int(n_tokens)), 0)
+            return Match(self.match_keys(keys, int(n_tokens)), 0)
         keys, counts, blocks = self._split(keys, n_tokens, tokens)
         return self.match_blocks(keys, counts, blocks)
 
-    def _match_keys(self, keys, n_tokens: int) -> list:
+    def match_keys(self, keys, n_tokens: int) -> list:
         """The cached whole blocks of a prompt given by hash ids: what ``_split`` then
         ``match_blocks`` find, without building the per-block lists first (a router
         looks every request up in every instance). A test holds the two equal."""
