@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student classroom experiment test lab sync bench parity clean
+.PHONY: setup book html student classroom experiment test fuzz lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,19 @@ experiment: $(STAMP)
 # Unit + property tests, then strict nbval over every executed chapter.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not classroom" tests chapters/*.ipynb $(NBVAL)
+
+# The property tests of pool, prefix cache, engine, fleet, speculative decoding and context
+# parallelism with a random seed (printed) and FUZZ_FACTOR (default 10) times the examples
+# `make test` runs; about 4 minutes on 2 cores (budget: 10). FUZZ_SEED=N repeats a run.
+FUZZ_TESTS := tests/test_pool.py tests/test_paged.py tests/test_radix.py tests/test_prefix.py \
+	tests/test_runs.py tests/test_sim.py tests/test_engine.py tests/test_engine_tensor.py \
+	tests/test_fleet.py tests/test_spec.py tests/test_cp.py
+fuzz: $(STAMP)
+	@seed=$${FUZZ_SEED:-$$($(BIN)/python -c 'import secrets; print(secrets.randbelow(2**32))')}; \
+	echo "make fuzz: hypothesis seed $$seed, $${FUZZ_FACTOR:-10}x the examples"; \
+	KIMILAB_FUZZ_FACTOR=$${FUZZ_FACTOR:-10} $(BIN)/python -m pytest -q -m hypothesis $(FUZZ_TESTS) \
+		--hypothesis-profile=fuzz --hypothesis-seed=$$seed \
+	|| { echo "make fuzz failed with seed $$seed: FUZZ_SEED=$$seed make fuzz repeats it"; exit 1; }
 
 # Every student notebook runs up to its first exercise and stops there (executes every chapter again).
 classroom: $(STAMP)

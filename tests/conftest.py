@@ -7,6 +7,7 @@ need a model to change build their own).
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.costs import CacheShapes
@@ -14,6 +15,13 @@ from kimilab.model import Model
 from kimilab.traffic import load_trace
 
 DATA = Path(__file__).resolve().parent.parent / "data"
+
+# Property tests: `make test` explores the same examples on every machine (derandomised, no
+# example database), so a fresh clone's result depends only on the code; `make fuzz` passes
+# --hypothesis-profile=fuzz with a random --hypothesis-seed, which it prints.
+settings.register_profile("repro", derandomize=True, database=None, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, database=None, print_blob=True)
+settings.load_profile("repro")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.ops.attention import (
     KVCache, attention_flops, causal_attention, causal_pairs, decode_flops, decode_step,
@@ -17,7 +18,7 @@ def _qkv(rng, L, H, Hkv, D, Dv, dtype=np.float64):
     return q, k, v
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(L=st.integers(1, 70), groups=st.sampled_from([(1, 1), (4, 1), (4, 2), (6, 3), (2, 2)]),
        D=st.integers(1, 9), Dv=st.integers(1, 9), block=st.integers(1, 80), seed=st.integers(0, 2**16))
 def test_vectorised_matches_reference(L, groups, D, Dv, block, seed):
@@ -29,7 +30,7 @@ def test_vectorised_matches_reference(L, groups, D, Dv, block, seed):
         assert np.max(np.abs(fast - slow)) <= 1e-10
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(L=st.integers(1, 90), groups=st.sampled_from([(1, 1), (4, 1), (4, 2), (3, 3)]),
        seed=st.integers(0, 2**16))
 def test_cached_decode_equals_recompute_every_step(L, groups, seed):
@@ -88,7 +89,7 @@ def test_cache_bytes_and_growth():
         cache.keys[0, 0, 0] = 1.0  # read-only view: append-only
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(pieces=st.lists(st.integers(0, 9), min_size=1, max_size=4), groups=st.sampled_from([(1, 1), (4, 2), (3, 3)]),
        same_rows=st.booleans(), data=st.data(), seed=st.integers(0, 2**16))
 def test_truncate_then_reappend_equals_never_appending(pieces, groups, same_rows, data, seed):

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
 
@@ -19,7 +20,7 @@ def _naive(x, weight, state):
     return y
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(T=st.integers(1, 20), C=st.integers(1, 6), W=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_sequence_matches_definition_and_steps(T, C, W, seed):
     rng = np.random.default_rng(seed)
@@ -35,7 +36,7 @@ def test_sequence_matches_definition_and_steps(T, C, W, seed):
     np.testing.assert_array_equal(state, s1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(1, 30), data=st.data(), seed=st.integers(0, 2**16))
 def test_split_with_carried_state_is_exact(T, data, seed):
     rng = np.random.default_rng(seed)

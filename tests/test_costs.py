@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import costs as m
 from kimilab.ops.attention import KVCache, attention_flops
@@ -57,7 +58,7 @@ def test_hybrid_uses_about_a_quarter_of_all_mla(L, lo, hi):
     assert ratio > 7 / 27  # the fixed states keep it just above the layer-count limit
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(a=st.integers(0, 10**7), b=st.integers(0, 10**7))
 def test_linear_and_monotone_in_context(a, b):
     for cfg in (kimi_linear_48b, all_mla_27, gqa_8b, tiny):
@@ -69,7 +70,7 @@ def test_linear_and_monotone_in_context(a, b):
             assert m.decode_step_bytes(cfg, a) <= m.decode_step_bytes(cfg, b)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n_cached=st.integers(0, 5000), a=st.integers(0, 3000), b=st.integers(0, 3000))
 def test_prefill_flops_properties(n_cached, a, b):
     for cfg in (kimi_linear_48b, tiny):
@@ -322,7 +323,7 @@ def test_prefill_seconds_is_a_roofline():
         m.prefill_seconds(kimi_linear_48b, n, efficiency=0.0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(n=st.integers(1, 200_000), frac=st.floats(0, 1))
 def test_prefill_seconds_saved(n, frac):
     hit = int(n * frac)
@@ -333,7 +334,7 @@ def test_prefill_seconds_saved(n, frac):
     assert m.prefill_seconds_saved(kimi_linear_48b, n, 0) == 0.0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n_new=st.integers(0, 300_000), n_cached=st.integers(0, 1_000_000), dp=st.booleans(),
        eff=st.sampled_from([0.5, 0.25, 1.0]), mla=st.booleans())
 def test_prefill_timer_equals_prefill_seconds(n_new, n_cached, dp, eff, mla):

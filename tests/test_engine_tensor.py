@@ -9,14 +9,16 @@ records) must equal the accounting engine's on the same requests.
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.engine import Engine, Executor, Live, TensorExecutor, serve
 from kimilab.engine.tensor import submit
 from kimilab.model import Model
+from kimilab.prefix import HybridPrefixCache
 from kimilab.traffic import Request
 
-FEW = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+FEW = settings(max_examples=examples(5), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.function_scoped_fixture])
 _REF: dict = {}
 
@@ -121,7 +123,7 @@ def test_preemption_recomputes_streamed_tokens_exactly(tiny_model, seed, block, 
     _same_decisions(engine, _accounting(reqs, **kw))
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10**6), block=st.sampled_from([4, 8]), budget=st.integers(4, 40),
        spare=st.integers(0, 2), policy=st.sampled_from(["dual", "every-block", "ends"]))
@@ -155,6 +157,36 @@ def test_a_refused_admission_leaves_no_checkpoint_behind(tiny_model):
     assert {f.request_id: f.usable_hit for f in engine.finished} == {0: 0, 1: 0}
     assert engine.finished[-1].first_token_s > engine.finished[0].arrival_s, "request 1 waited"
     assert engine.executor.store_hit_tokens == 0
+    _same_decisions(engine, _accounting(reqs, **kw))
+
+
+def test_two_requests_leave_a_shared_in_flight_prefix_uncomputed(tiny_model, monkeypatch):
+    """Four decoders fill the pool while A and B, sharing a 16-token prefix, prefill it in small
+    chunks. B begins on A's in-flight blocks; when the decoders grow, both are preempted before
+    the last shared block is computed (B first, then A, its last holder). The block must leave the
+    cache with A (no unpinned, uncomputed block; no leaked page), and every output stays exact."""
+    left = []  # (node, holders before this abandon) for every uncomputed block an abandon leaves
+    abandon = HybridPrefixCache.abandon
+
+    def spy(cache, path, computed, start=0):
+        left.extend((node, node.refcount) for node in path if not node.computed and node.end > computed)
+        return abandon(cache, path, computed, start)
+
+    monkeypatch.setattr(HybridPrefixCache, "abandon", spy)
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, tiny.vocab_size, 16)
+    reqs = [Request(i, 0, 1, 60, tokens=rng.integers(0, tiny.vocab_size, 1)) for i in range(4)]
+    reqs += [Request(4, 0, 17, 3, tokens=np.concatenate([head, [1]])),
+             Request(5, 0, 18, 3, tokens=np.concatenate([head, [2, 3]]))]
+    probe = Engine(tiny, capacity_tokens=None, block_size=4)
+    need = max(-(-(r.input_length + r.output_length + 1) // 4) for r in reqs) + 3 * probe.memory.state_pages
+    kw = dict(capacity_tokens=need * 4, block_size=4, token_budget=7)
+    engine, outputs = serve(tiny_model, reqs, **kw)
+    shared_then_last = [node for j, (node, holders) in enumerate(left) if holders > 1
+                        and any(n is node and h == 1 for n, h in left[j + 1:])]
+    assert shared_then_last, "B left A's in-flight block, then A left it uncomputed as its last holder"
+    assert engine.preemptions >= 2 and not engine.refused
+    _check_exact(tiny_model, engine, outputs, reqs)  # includes check_no_leak
     _same_decisions(engine, _accounting(reqs, **kw))
 
 

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from fuzzing import examples
 
 from kimilab import kda
 from kimilab.kda import chunk
 from kimilab.kda.testing import GATES, PROPERTY_EXAMPLES, random_inputs
 
-FAST = settings(max_examples=PROPERTY_EXAMPLES, deadline=None)
+FAST = settings(max_examples=examples(PROPERTY_EXAMPLES), deadline=None)
 
 
 def drawn_inputs(p, T=None):
@@ -69,7 +70,7 @@ one_head = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(one_head)
 def test_naive_chunk_equals_recurrent_and_chunk(p):
     """The readable one-head twin == the recurrence == the optimised kernel, in float64."""
@@ -100,7 +101,7 @@ def test_naive_chunk_checks_one_head_and_leaves_inputs_alone():
         kda.naive_chunk_kda(*args, chunk_size=0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(shapes, st.data())
 def test_split_anywhere_and_carry_state(p, data):
     (q, k, v, g, beta), S0 = drawn_inputs(p)
@@ -116,7 +117,7 @@ def test_split_anywhere_and_carry_state(p, data):
     assert maxdiff(s2, s_all) <= 1e-10
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(shapes, st.data())
 def test_affine_composition_of_two_segments(p, data):
     (q, k, v, g, beta), S0 = drawn_inputs(p)
@@ -143,7 +144,7 @@ def test_transition_of_whole_equals_composition_and_identity():
     assert maxdiff(M2, M) == 0 and maxdiff(C2, C) == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shapes)
 def test_step_loop_equals_recurrent(p):
     (q, k, v, g, beta), S0 = drawn_inputs(p, T=min(p["T"], 30))
@@ -218,7 +219,7 @@ def _load_bench():
 BENCH = _load_bench()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.integers(1, 70), st.integers(0, 2**16))
 def test_unit_lower_inverse(n, seed):
     """The block-doubling inverse the benchmark times against chunk_kda's solve."""
@@ -230,7 +231,7 @@ def test_unit_lower_inverse(n, seed):
     assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 20), st.integers(0, 2**16))
 def test_unit_lower_solve_matches_dense_solve(n, m, block, seed):
     rng = np.random.default_rng(seed)
@@ -242,7 +243,7 @@ def test_unit_lower_solve_matches_dense_solve(n, m, block, seed):
     assert maxdiff(X, expected) <= 1e-9 * max(1.0, float(np.abs(expected).max()))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shapes)
 def test_chunked_equals_recurrent_with_growing_gates(p):
     """Some g > 0 (the state may grow): the general block-size rule and flush levels."""

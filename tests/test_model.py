@@ -8,6 +8,7 @@ layers run a slice of a sequence, and truncate + re-prefill == never going past 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import kda
 from kimilab.config import all_mla_27, kimi_linear_48b, tiny
@@ -49,7 +50,7 @@ plan = st.lists(st.tuples(st.sampled_from(["prefill", "decode"]), st.integers(1,
 
 
 @pytest.mark.parametrize("key", ["f64", "f32"])
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(steps=plan)
 def test_pieces_and_decode_equal_whole_and_forward(key, steps):
     model, tol = MODELS[key], TOL[key]
@@ -313,7 +314,7 @@ def test_cache_protocol_errors():
         cache.kda_state(0)[0, 0, 0] = 1.0  # read-only view: writes go through set_kda_state
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(n=st.integers(0, 30), extra=st.integers(1, 12), by_decode=st.booleans(), same=st.booleans())
 def test_truncate_then_reprefill_equals_never_going_past(n, extra, by_decode, same):
     model = MODELS["f64"]

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import config
 from kimilab.model import HybridCache
@@ -22,7 +23,7 @@ def _tokens(n, seed):
     return np.random.default_rng(seed).integers(0, 256, size=n).tolist()
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(page_rows=st.sampled_from([1, 2, 3, 16]), block_tokens=st.sampled_from([1, 5, 16]),
        prompt=st.integers(1, 40), steps=st.integers(0, 4), seed=st.integers(0, 99))
 def test_paged_equals_contiguous(model, page_rows, block_tokens, prompt, steps, seed):
@@ -129,7 +130,7 @@ def _same(paged, contiguous):
         assert np.array_equal(paged.conv_state(i), contiguous.conv_state(i))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(page_rows=st.sampled_from([1, 3, 16]), block_tokens=st.sampled_from([1, 5, 16]),
        n=st.integers(0, 30), extra=st.integers(1, 20), seed=st.integers(0, 99))
 def test_truncate_frees_blocks_and_equals_never_going_past(model, page_rows, block_tokens, n, extra, seed):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from fuzzing import examples
 
 from kimilab import config
 from kimilab.config import PAGE_KINDS
@@ -297,11 +298,11 @@ def consumes_nothing():
     return None
 
 
-PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "each", "free"]), st.integers(0, 6)), max_size=40))
 def test_allocate_each_is_count_single_page_allocations(ops):
     """allocate_each(kind, n) hands out the same pages, block and handle ids as n calls of

@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b, tiny
@@ -91,7 +92,7 @@ def _replay_paths(paths, shorts, policy, capacity):
 PATHS = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=30)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(PATHS, st.integers(1, 60), st.data())
 def test_kv_only_equals_the_radix_tree_twin(paths, capacity_blocks, data):
     shorts = data.draw(st.lists(st.integers(0, BS - 1), min_size=len(paths), max_size=len(paths)))
@@ -103,7 +104,7 @@ def test_kv_only_equals_the_radix_tree_twin(paths, capacity_blocks, data):
         assert out.kv_hit == out.usable_hit == min(hit, r.input_length - 1)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(PATHS, st.integers(1, 200))
 def test_align_at_block_interval_is_every_block(paths, capacity_blocks):
     a = _replay_paths(paths, None, Align(interval=BS), capacity_blocks * BS)
@@ -111,7 +112,7 @@ def test_align_at_block_interval_is_every_block(paths, capacity_blocks):
     assert [o.usable_hit for o in a.per_request] == [o.usable_hit for o in b.per_request]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(PATHS)
 def test_with_unbounded_memory_every_block_reaches_the_attention_bound(paths):
     big = 10**6
@@ -124,43 +125,54 @@ def test_with_unbounded_memory_every_block_reaches_the_attention_bound(paths):
     assert d.usable_hit_tokens <= b.usable_hit_tokens and d.kv_hit_tokens == b.kv_hit_tokens
 
 
-def _release(cache, data, path, out, added):
+# What happens to each request of a random replay, drawn as plain values (so a failure can be
+# replayed as an @example): (hold it, finish it, tokens computed if not, release the oldest held
+# one, finish that one, its tokens computed if not).
+ACTIONS = st.lists(st.tuples(st.booleans(), st.booleans(), st.integers(0, 6 * BS),
+                             st.booleans(), st.booleans(), st.integers(0, 6 * BS)), min_size=30, max_size=30)
+
+
+def _release(cache, path, out, finish, computed):
     """A request ends: it finished, or stopped after computing some of its prompt (refused, preempted)."""
-    if data.draw(st.booleans()):
+    if finish:
         cache.finish(path)
     else:
-        cache.abandon(path, out, added, data.draw(st.integers(0, out.n_tokens)))
+        cache.abandon(path, min(computed, out.n_tokens))
 
 
-@settings(max_examples=60, deadline=None)
-@given(PATHS, st.integers(1, 80), st.sampled_from(sorted(POLICIES)),
-       st.booleans(), st.data())
-def test_invariants_hold_under_random_traffic(paths, capacity_blocks, name, partial, data):
+@settings(max_examples=examples(60), deadline=None)
+@given(PATHS, st.integers(1, 80), st.sampled_from(sorted(POLICIES)), st.booleans(),
+       st.sampled_from([None, 0.0, 1.0, 50.0]), st.lists(st.integers(0, BS - 1), min_size=30, max_size=30), ACTIONS)
+@example(paths=[[0], [1], [1], [0]], capacity_blocks=1, name="align", partial=False, alpha=None, shorts=[0] * 30,
+         actions=[(False, True, 0, False, True, 0), (True, False, 0, False, False, 0),
+                  (True, False, 0, True, False, 0), (False, False, 0, True, False, 0)] + [(False,) * 6] * 26,
+         ).via("the in-flight block leak a fresh clone found (issue 22): two holders of one uncomputed block leave")
+def test_invariants_hold_under_random_traffic(paths, capacity_blocks, name, partial, alpha, shorts, actions):
     """Pool pages == tree KV + checkpoints; usable <= KV hit < prompt; pinned paths survive; no leaks."""
     kwargs = {"interval": 2 * BS} if name == "align" else {}
-    if name == "dual" and data.draw(st.booleans()):
-        kwargs = {"interval": 2 * BS, "alpha": data.draw(st.sampled_from([0.0, 1.0, 50.0]))}
+    if name == "dual" and alpha is not None:
+        kwargs = {"interval": 2 * BS, "alpha": alpha}
     cache = make_cache(make_policy(name, **kwargs), capacity_blocks * BS, partial_blocks=partial)
-    shorts = data.draw(st.lists(st.integers(0, BS - 1), min_size=len(paths), max_size=len(paths)))
     held = []
-    for r in records_from_paths(paths, shorts):
+    for r, (hold, finish, computed, release, release_finish, release_computed) in zip(
+            records_from_paths(paths, shorts[:len(paths)]), actions):
         ends_before = {n.end for n in cache.tree.nodes() if n.payload is not None}
         out, path, usable_node, added = cache.begin(r.hash_ids, r.input_length)
         assert 0 <= out.usable_hit <= out.kv_hit <= r.input_length - 1
         assert out.usable_hit == 0 or out.usable_hit in ends_before or cache.policy.free_states
         assert all(n.alive for n in path)
-        if data.draw(st.booleans()) and len(held) < 3:
-            held.append((path, out, added))  # a running request keeps its blocks pinned
+        if hold and len(held) < 3:
+            held.append((path, out))  # a running request keeps its blocks pinned
         else:
-            _release(cache, data, path, out, added)
-        if held and data.draw(st.booleans()):
-            _release(cache, data, *held.pop(0))
-        for p, _, _ in held:
+            _release(cache, path, out, finish, computed)
+        if held and release:
+            _release(cache, *held.pop(0), release_finish, release_computed)
+        for p, _ in held:
             assert all(n.alive for n in p)
         cache.check_invariants()
         cache.pool.check_invariants()
-    for p, out, added in held:
-        _release(cache, data, p, out, added)
+    for p, out in held:
+        _release(cache, p, out, False, 0)
     # the eviction queues alone can empty the cache: nothing unpinned is ever stranded
     assert cache.tree.reclaim(cache.pool.n_pages)
     assert cache.pool.n_free == cache.pool.n_pages and cache.n_checkpoints == 0
@@ -256,9 +268,11 @@ def _assert_same_cache(a, b):
         assert np.abs(a.conv_state(i) - b.conv_state(i)).max() <= 1e-10
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(st.integers(0, 10**6), st.sampled_from(["every-block", "align", "dual"]),
        st.integers(100, 250), st.booleans())
+@example(5694, "every-block", 102, False).via(
+    "make fuzz, seed 1805273041: eviction handed a running request's shared KV pages to a new checkpoint")
 def test_prefill_from_a_hit_equals_a_cold_prefill(tiny_model, seed, name, capacity_blocks, partial):
     """Adopted KV pages + a restored checkpoint give the cold prefill's logits and final cache;
     a request kept running while the next one shares its pages is not disturbed; decoding on
@@ -322,7 +336,7 @@ def test_a_full_pool_evicts_cached_prefix_for_a_running_request(tiny_model):
     store.cache.check_invariants()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(PATHS, st.sampled_from(sorted(POLICIES)), st.data())
 def test_an_abandoned_request_leaves_only_what_it_computed(paths, name, data):
     """A request refused (computed=0) leaves the cache answering every later request as if it
@@ -343,7 +357,7 @@ def test_an_abandoned_request_leaves_only_what_it_computed(paths, name, data):
         out, path, _, added = a.begin(r.hash_ids, r.input_length)
         kept = [(x.end, x.payload is not None and (x not in added or x.end <= computed)) for x in path
                 if x.end <= computed or path.index(x) < out.matched_blocks]
-        a.abandon(path, out, added, computed)
+        a.abandon(path, computed)
         assert [(x.end, x.payload is not None) for x in path if x.alive] == kept
         if computed == n:
             b.serve(r.hash_ids, r.input_length)
@@ -358,9 +372,9 @@ def test_abandon_takes_back_a_refused_requests_blocks_and_checkpoints():
     r = records_from_paths([[0, 1, 2, 2]])[0]
     out, path, _, added = cache.begin(r.hash_ids, r.input_length)
     assert out.usable_hit == 2 * BS and cache.kv_pages == 4 and len(added) == 2  # checkpoints at 12, 16
-    cache.abandon(path, out, added, 0)
+    cache.abandon(path, 0)
     assert (cache.kv_pages, cache.n_checkpoints, cache.pages_admitted, cache.pool.n_used) == before
     assert cache.tree.n_evicted == 0 and cache.checkpoints_evicted == 0
     assert cache.serve(r.hash_ids, r.input_length).usable_hit == 2 * BS
     with pytest.raises(ValueError, match="computed"):
-        cache.abandon([], out, (), -1)
+        cache.abandon([], -1)

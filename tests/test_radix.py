@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.pool import PagePool
 from kimilab.prefix import RadixTree, block_token_counts
@@ -104,7 +105,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(OPS, st.integers(1, 12), st.booleans())
 def test_invariants_under_random_operations(ops, n_pages, partial):
     """Pinned nodes survive, tree pages == pool pages, nothing leaks at the end."""
@@ -167,7 +168,7 @@ def _slow_hit_rate(records, capacity_blocks):
     return hit / total
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1, max_size=25),
        st.integers(1, 10))
 def test_replay_hit_rate_matches_obvious_twin(paths, capacity):
@@ -191,4 +192,18 @@ def test_a_node_can_hold_one_page_per_global_layer():
     tree.check_invariants()
     tree.evict_all()
     assert pool.n_used == 0
+    pool.check_invariants()
+
+
+def test_eviction_never_hands_out_pages_someone_else_still_holds():
+    """A running request that shares a cached block's pages (pool.share) keeps them when the tree
+    evicts the block: reclaiming hands the next allocation only pages nobody else holds."""
+    tree, pool = make_tree(n_pages=3)
+    _, path, _ = tree.insert(keys=(1, 2), n_tokens=2 * BS, pin=True)
+    held = pool.share(path[1].alloc)  # a running request reads the last block's pages
+    tree.unpin(path)
+    got = tree.allocate_many("checkpoint", 1, 2)  # two pages: one free, the rest by evicting
+    assert len(got) == 2 and tree.n_nodes == 0  # both leaves went, but only one of them freed a page
+    assert held.pages[0] not in {int(a.pages[0]) for a in got}
+    assert held.refcount == 1 and pool.n_used == 3
     pool.check_invariants()

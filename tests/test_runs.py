@@ -2,6 +2,7 @@
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b
@@ -66,7 +67,7 @@ def _both(choice, capacity_tokens):
             RunPrefixCache(CFG, _policy(choice), block_size=BS, capacity_tokens=capacity_tokens))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(conversations(), st.integers(1, 90), POLICY_CHOICES)
 def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice):
     blocks, runs = _both(choice, capacity_blocks * BS)
@@ -87,7 +88,7 @@ def test_the_real_trace_replays_identically(data_dir, choice, gb):
     capacity = int(gb * 1e9 // costs.kv_bytes_per_token(CFG))
     results = [simulate(trace, cache=cache, keep_per_request=True) for cache in _both(choice, capacity)]
     assert results[0].per_request == results[1].per_request
-    assert results[0].as_dict() | {"wall_seconds": 0} == results[1].as_dict() | {"wall_seconds": 0}
+    assert results[0].as_dict() | {"run_wall_s": 0} == results[1].as_dict() | {"run_wall_s": 0}
 
 
 @given(st.floats(0, 1e6), st.integers(1, 10**6), st.integers(1, 10**6))
@@ -111,7 +112,7 @@ def test_bad_arguments_name_what_is_expected():
         cache.serve([1], 0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(conversations(), st.sampled_from([512, 1024, 1888, 5000]))
 def test_coarser_blocks_only_round_hits_down(turns, new_block):
     """Keyed at a larger block, a hit is whole large blocks and never more than the trace proves is shared."""

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import spec
 from kimilab.config import tiny
@@ -51,7 +52,7 @@ def _run(model, prompt, n_new, drafter, k, rollback, cache, states, pool=None, w
     return result
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(prompt_len=st.integers(1, 20), seed=st.integers(0, 999), k=st.integers(1, 8),
        corruption=st.sampled_from([0.0, 0.2, 0.5, 1.0]), n_new=st.integers(1, 14),
        rollback=st.sampled_from(EXACT), paged=st.booleans(), spare=st.integers(0, 3))
@@ -77,7 +78,7 @@ def test_speculative_equals_greedy_controlled(model, prompt_len, seed, k, corrup
         assert pool.n_free == pool.n_pages
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(seed=st.integers(0, 999), k=st.integers(1, 8), rollback=st.sampled_from(EXACT),
        drafter=st.sampled_from(["ngram", "draft-model"]))
 def test_speculative_equals_greedy_real_drafters(model, seed, k, rollback, drafter):

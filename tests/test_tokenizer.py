@@ -2,6 +2,7 @@
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.config import tiny
 from kimilab.tokenizer import BOS, EOS, PAD, UNK, ByteTokenizer
@@ -9,7 +10,7 @@ from kimilab.tokenizer import BOS, EOS, PAD, UNK, ByteTokenizer
 tok = ByteTokenizer()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text())
 def test_roundtrip(text):
     ids = tok.encode(text)
@@ -18,7 +19,7 @@ def test_roundtrip(text):
     assert tok.decode(tok.encode(text, bos=False, eos=True)) == text
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 259), max_size=50))
 def test_decode_never_fails_on_any_ids(ids):
     assert isinstance(tok.decode(ids), str)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 import kimilab.traffic as wl
 from kimilab.traffic import Request, generators, segments
@@ -110,7 +111,7 @@ def test_bad_parameters_name_the_argument():
 # ----------------------------------------------------------------------------- hash ids
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(kind=st.sampled_from(sorted(SMALL)), seed=st.integers(0, 50), block=st.integers(1, 40))
 def test_hash_ids_equal_iff_prefixes_equal(kind, seed, block):
     reqs = SMALL[kind](seed)
@@ -129,7 +130,7 @@ def test_hash_ids_equal_iff_prefixes_equal(kind, seed, block):
     wl.check_chain(records)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(kind=st.sampled_from(sorted(SMALL)), seed=st.integers(0, 50), block=st.integers(1, 64))
 def test_segment_ids_match_token_ids(kind, seed, block):
     """Records computed from segments (no tokens) equal to_trace of the materialised tokens."""
@@ -219,7 +220,7 @@ CORRUPTIONS = {
 }
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(kind=st.sampled_from(sorted(CORRUPTIONS)), where=st.integers(0, 5))
 def test_loader_names_line_and_field(tmp_path_factory, kind, where):
     lines = _valid_lines()

@@ -132,25 +132,24 @@ class Engine:
         if live.done >= live.ctx:
             live.cache.finish(live.path, live.marked)
         else:  # preempted mid-prefill: what it did not compute leaves the cache
-            live.cache.abandon(live.path, live.outcome, live.added, live.done, live.marked)
-        live.path, live.cache, live.outcome, live.added = [], None, None, ()
+            live.cache.abandon(live.path, live.done, live.marked)
+        live.path, live.cache = [], None
         self._blocked = False
 
     def _admit(self, live: Live) -> bool:
         mem, req = self.memory, live.req
         cache = mem.cache(req.tenant)
-        out, path, usable_node, added = cache.begin(**prompt_of(req))
+        out, path, usable_node, _ = cache.begin(**prompt_of(req))
         base = path[-1].end if path else 0
         live.ctx = req.input_length + live.generated
         kv_pages = -(-(live.ctx + 1 - base) // self.block)
         full = (req.input_length // self.block) * self.block
         if base < full or not mem.make_room(req.tenant, mem.state_pages + kv_pages):
-            cache.abandon(path, out, added, 0)  # refused: nothing of it was computed
+            cache.abandon(path, 0)  # refused: nothing of it was computed
             return False
         pool = mem.pool
         live.allocs = [pool.allocate("kda_state", mem.state_pages), pool.allocate("kv", kv_pages)]
         live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
-        live.outcome, live.added = out, added
         live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)  # its prefill starts here
         live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit
         live.served += out.usable_hit

@@ -22,8 +22,6 @@ class Live:
     base: int = 0  # tokens covered by cached full blocks on the pinned path
     path: list = field(default_factory=list)
     cache: object = None
-    outcome: object = None  # what the cache's begin() returned at this admission
-    added: tuple = ()  # the checkpoints begin() admitted for it (dropped if never computed)
     marked: int = 0  # nodes of ``path`` its prefill has passed (their checkpoints are computed)
     allocs: list = field(default_factory=list)  # the request's own pages (state + KV past ``base``)
     own_tokens: int = 0  # KV capacity of its own pages, from ``base``

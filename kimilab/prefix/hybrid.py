@@ -287,31 +287,32 @@ class HybridPrefixCache:
         own memory comes out of the same pool); False if everything left is pinned."""
         return self.reclaim(check_int("n_pages", n_pages, 0))
 
-    def abandon(self, path, outcome: Outcome, added, computed: int, start: int = 0) -> None:
+    def abandon(self, path, computed: int, start: int = 0) -> None:
         """Unpin a request's path when it stops before its prefill is done (refused or preempted).
 
         :meth:`begin` put the prompt's blocks and checkpoints in the cache before they
-        were computed; past ``computed`` tokens they never were. The checkpoints this
-        request ``added`` there and the blocks it inserted there (after the
-        ``outcome.matched_blocks`` it found) leave the cache again, unless another
-        request holds them; so nobody later hits work that was never done. Checkpoints
-        from ``path[start]`` up to ``computed`` are marked computed (``start``: where this
-        request's own prefill began, as in :meth:`mark_computed`).
+        were computed, and later requests may have shared them while they were in
+        flight. An uncomputed block or checkpoint belongs to whoever still holds it: when
+        the last holder leaves without computing it, it leaves the cache and its pages
+        return to the pool, whichever request put it there. So nobody later hits work
+        that was never done. Blocks and checkpoints from ``path[start]`` up to
+        ``computed`` are marked computed first (``start``: where this request's own
+        prefill began, as in :meth:`mark_computed`); computed ones stay.
         """
         computed = check_int("computed", computed, 0, unit="tokens")
         self.mark_computed(path, computed, start)
         tree = self.tree
         tree.unpin(path)
-        for node in added:
+        for node in path:
             ck = node.payload
-            if ck is not None and node.end > computed and node.refcount == 0:
+            if ck is not None and not ck.computed and node.refcount == 0:
                 node.payload = None
                 tree.release(ck.alloc, self._checkpoint_key)
                 self.n_checkpoints -= 1
                 self.checkpoints_admitted -= 1
                 self.pages_admitted -= self.checkpoint_pages
-        for node in reversed(path[outcome.matched_blocks:]):
-            if node.end <= computed or node.refcount or node.children or not node.alive:
+        for node in reversed(path):
+            if node.computed or node.refcount or node.children or not node.alive:
                 break  # an ancestor of a block that stays, stays too
             tree.evict_node(node)
             tree.n_evicted -= 1  # taken back, not evicted

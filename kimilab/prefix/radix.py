@@ -319,12 +319,12 @@ class RadixTree:
 
         ``key`` = (kind, n_pages, nbytes) of ``alloc`` if the caller knows it (saves lookups).
         """
-        if self._collecting:
+        if self._collecting and alloc.refcount == 1:  # parked only if nobody else holds its pages
             if key is None:
                 key = (alloc.kind, alloc.n_pages, alloc.nbytes)
             self._spares.setdefault(key, []).append(alloc)
             self._spare_pages += key[1]
-        else:
+        else:  # a running request may still read these pages: drop our reference, free nothing
             self.pool.free(alloc)
 
     # ----- eviction ---------------------------------------------------------
@@ -342,12 +342,13 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.key]
         node.alive = False
-        if self._collecting and self.allocs_per_node == 1:  # release(), inlined: the hot path
-            self._spares_kv.append(node.alloc)
+        alloc = node.alloc
+        if self._collecting and self.allocs_per_node == 1 and alloc.refcount == 1:  # release(), inlined
+            self._spares_kv.append(alloc)
             self._spare_pages += 1
         else:
-            for alloc in (node.alloc if self.allocs_per_node > 1 else (node.alloc,)):
-                self.release(alloc, self._own_key)
+            for a in (alloc if self.allocs_per_node > 1 else (alloc,)):
+                self.release(a, self._own_key)
         node.alloc = None
         self.n_nodes -= 1
         self.n_evicted += 1
