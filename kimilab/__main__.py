@@ -23,33 +23,32 @@ import json
 import sys
 from typing import Sequence
 
+from kimilab.validate import HelpWithDefaults, nonnegative_float_arg, positive_float_arg, positive_int_arg
+
 __all__ = ["main"]
 
 _FLOAT_INF = ("inf", "infinity", "unbounded")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage dump) and exit status 2."""
+    """argparse, but an error is one line (no usage dump) and exit status 2, and every option's
+    help ends with its default (written by argparse, so it cannot drift from the code)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpWithDefaults)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
-    return value
 
 
 def _capacity(text: str) -> int | None:
     """A positive int, or ``inf`` for an unbounded cache (None)."""
     if text.strip().lower() in _FLOAT_INF:
         return None
-    return _positive_int(text)
+    return positive_int_arg(text)
 
 
 def _parser() -> _Parser:
@@ -70,26 +69,26 @@ def _parser() -> _Parser:
                    help="cache memory in tokens of the model's KV (N * kv_bytes_per_token bytes), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")
     p.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
-                   help="config preset whose bytes and FLOPs are used (default kimi_linear_48b)")
-    p.add_argument("--block-size", type=_positive_int, default=512,
-                   help="tokens per hash block and per KV page (default 512, Mooncake's)")
-    p.add_argument("--interval", type=_positive_int, default=None,
-                   help="checkpoint interval in tokens for align (default 2048) and dual (default none)")
+                   help="config preset whose bytes and FLOPs are used")
+    p.add_argument("--block-size", type=positive_int_arg, default=512,
+                   help="tokens per hash block and per KV page (512 is Mooncake's)")
+    p.add_argument("--interval", type=positive_int_arg, default=None,
+                   help="checkpoint interval in tokens, for align and dual (if not given: align 2048, dual none)")
     p.add_argument("--alpha", type=float, default=0.005,
-                   help="dual: weight of FLOPs-per-byte vs recency (in cache turnovers; default 0.005)")
+                   help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers")
     p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
 
     t = sub.add_parser("traces", help="trace files: statistics, or regenerate the book's traces")
     tsub = t.add_subparsers(dest="traces_command", required=True, parser_class=_Parser)
     st = tsub.add_parser("stats", help="validate traces and print their statistics")
     st.add_argument("files", nargs="+", metavar="FILE")
-    st.add_argument("--block-size", type=_positive_int, default=512)
+    st.add_argument("--block-size", type=positive_int_arg, default=512, help="tokens per hash block")
     rg = tsub.add_parser("regenerate", help="write the book's generated traces into DIR")
     rg.add_argument("directory", metavar="DIR")
 
     m = sub.add_parser("memory", help="cache bytes and roofline decode time of a model against a baseline")
-    m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS))
-    m.add_argument("--baseline", default="all_mla_27", choices=sorted(PRESETS))
+    m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS), help="the model to price")
+    m.add_argument("--baseline", default="all_mla_27", choices=sorted(PRESETS), help="the model to compare with")
 
     b = sub.add_parser("book", help="execute every chapter and render the book")
     b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
@@ -98,70 +97,50 @@ def _parser() -> _Parser:
     sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
     sub.add_parser("student", help="write the classroom edition: student/NN_slug.ipynb, solutions removed")
 
+    from kimilab.experiment.results import add_arguments as experiment_arguments
+
     e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
-    e.add_argument("--out", default="results", help="directory for the result files")
-    e.add_argument("--part", default="all", choices=["a", "b", "all"],
-                   help="a: reduced model on CPU; b: 48B fleet simulator on the real trace; all (default): both")
-    e.add_argument("--sessions", type=_positive_int, default=2, help="part A: sessions per workload")
-    e.add_argument("--repeats", type=_positive_int, default=1, help="part A: wall-clock repeats (the best is kept)")
-    e.add_argument("--requests", type=_positive_int, default=None, help="part B: the trace's first N requests "
-                   "(default: all)")
-    e.add_argument("--instances", type=_positive_int, default=8, help="part B: engine instances (default 8)")
-    e.add_argument("--capacity-tokens", type=_positive_int, default=2_000_000,
-                   help="part B: each instance's pool in tokens of KV (default 2000000)")
-    e.add_argument("--price", type=_nonnegative_float, default=2.0,
-                   help="part B: assumed dollars per accelerator-hour (default 2.0)")
+    experiment_arguments(e)
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
     f.add_argument("traces", nargs="+", metavar="TRACE.jsonl", help="Mooncake jsonl traces, one tenant each")
-    f.add_argument("--instances", type=_positive_int, required=True, help="engine instances")
+    f.add_argument("--instances", type=positive_int_arg, required=True, help="engine instances")
     f.add_argument("--router", required=True, choices=["round-robin", "least-loaded", "prefix-affinity", "state-aware"])
     f.add_argument("--isolation", default="none", choices=["none", "quota"],
                    help="quota: per-tenant reserved cache share and fair (virtual token counter) admission")
     f.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
                    help="each instance's pool in tokens of KV (running requests + prefix cache); 'inf' for no limit")
-    f.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS))
-    f.add_argument("--rate-scale", type=_positive_float, default=1.0, help="divide arrival times by X (default 1)")
+    f.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
+                   help="config preset served (a preset without KDA layers caches KV only)")
+    f.add_argument("--rate-scale", type=positive_float_arg, default=1.0, help="divide arrival times by X")
     f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
                    help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
     c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
                        description="Run KDA context-parallel on seeded inputs across the ranks of "
                                    "`mpiexec -n P python -m kimilab cp`, and one rank alone in the same run; "
                                    "rank 0 prints one JSON object.")
-    c.add_argument("--tokens", type=_positive_int, required=True, help="prompt length T")
-    c.add_argument("--heads", type=_positive_int, default=4)
-    c.add_argument("--dim", type=_positive_int, default=64, help="K = V")
-    c.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree"])
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--even", action="store_true", help="equal slices (default: rank 0 takes more, to balance)")
-    c.add_argument("--affine-cost", type=float, default=1.25,
-                   help="work per token of a corrected (affine) slice over a plain one, for balancing (default 1.25)")
-    c.add_argument("--repeats", type=int, default=1,
-                   help="alternate the one-rank and P-rank runs this many times after a warm-up; medians (default 1)")
-    c.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds any blocking call may wait")
+    c.add_argument("--tokens", type=positive_int_arg, required=True, help="prompt length T")
+    c.add_argument("--heads", type=positive_int_arg, default=4, help="KDA heads")
+    c.add_argument("--dim", type=positive_int_arg, default=64, help="K = V")
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute precision")
+    c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree"],
+                   help="how ranks learn the state entering their slice")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    c.add_argument("--even", action="store_true", help="equal slices (without it, rank 0 takes more, to balance)")
+    c.add_argument("--affine-cost", type=positive_float_arg, default=1.25,
+                   help="work per token of a corrected (affine) slice over a plain one, for balancing")
+    c.add_argument("--repeats", type=positive_int_arg, default=1,
+                   help="alternate the one-rank and P-rank runs this many times after a warm-up; medians")
+    c.add_argument("--timeout", type=positive_float_arg, default=120.0, help="seconds any blocking call may wait")
+    c.add_argument("--model", default=None, choices=sorted(n for n, cfg in PRESETS.items() if not cfg.shapes_only),
+                   help="instead of one KDA layer: the whole reduced model's CP prefill (KDA state passing and "
+                        "ring attention), checked against Model.prefill on one rank")
     return top
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
-    return value
 
 
 def _failure(text: str) -> tuple[int, float]:
@@ -200,21 +179,45 @@ def _fleet(args, parser) -> int:
     except (ValueError, RuntimeError) as err:
         parser.error(str(err))
     print(json.dumps(result.summary()))
+    if not result.finished and result.refused:
+        parser.error(f"--capacity-tokens={args.capacity_tokens}: no request finished; {result.refused} were "
+                     f"refused, since they do not fit an instance's pool alone (prompt, output and states)")
+    if not result.finished:
+        parser.error("no request finished (see the JSON object above)")
     return 0
 
 
 def _cp(args, parser) -> int:
-    from kimilab.cp.launch import mpi_run
+    from kimilab.cp.launch import cp_input_bytes, mpi_prefill_run, mpi_run
 
+    need = cp_input_bytes(args.tokens, args.heads, args.dim, args.dtype, args.model)
+    if need > _memory_bytes() // 2:
+        parser.error(f"--tokens={args.tokens}: the inputs and outputs alone need {need / 2**30:.1f} GiB on each "
+                     f"rank; this machine has {_memory_bytes() / 2**30:.1f} GiB")
     try:
-        out = mpi_run(args.tokens, args.heads, args.dim, args.dtype, seed=args.seed, scheme=args.scheme,
-                      affine_cost=None if args.even else args.affine_cost, timeout=args.timeout,
-                      repeats=args.repeats)
-    except (ValueError, TimeoutError) as exc:
+        if args.model is not None:
+            out = mpi_prefill_run(args.tokens, args.model, seed=args.seed, timeout=args.timeout)
+        else:
+            out = mpi_run(args.tokens, args.heads, args.dim, args.dtype, seed=args.seed, scheme=args.scheme,
+                          affine_cost=None if args.even else args.affine_cost, timeout=args.timeout,
+                          repeats=args.repeats)
+    except ValueError as exc:  # raised on every rank before anything waits
         parser.error(str(exc))
+    except TimeoutError as exc:  # a peer never answered: say so, then end every rank of the job
+        from kimilab.cp.comm import MPIComm
+
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        MPIComm.abort(2)
     if out is not None:
         print(json.dumps(out))
     return 0
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory (bytes)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _prefix(args, parser) -> int:
@@ -309,10 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "experiment":
         from kimilab.experiment import results
 
-        return results.main(["--out", args.out, "--part", args.part, "--sessions", str(args.sessions),
-                             "--repeats", str(args.repeats), "--instances", str(args.instances),
-                             "--capacity-tokens", str(args.capacity_tokens), "--price", repr(args.price)]
-                            + ([] if args.requests is None else ["--requests", str(args.requests)]))
+        return results.run(args)
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))

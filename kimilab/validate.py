@@ -7,12 +7,14 @@ with the argument's name and its value, then says what was expected.
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Iterable
 
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_choice"]
+__all__ = ["check_int", "check_float", "check_choice", "positive_int_arg", "positive_float_arg",
+           "nonnegative_float_arg", "HelpWithDefaults"]
 
 
 def check_int(name: str, value, minimum: int = 0, *, unit: str = "") -> int:
@@ -47,3 +49,47 @@ def check_choice(name: str, value, choices: Iterable):
     if value not in choices:
         raise ValueError(f"{name}={value!r}: expected one of {choices}")
     return value
+
+
+# The same checks as argparse ``type=`` functions (the command lines' one-line errors).
+def positive_int_arg(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
+    return value
+
+
+def positive_float_arg(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return value
+
+
+def nonnegative_float_arg(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse help that ends each option's text with its default, written from the code (so
+    the two cannot drift apart); options that are required, off, or without a default get none."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, False) or action.default == []:
+            return action.help
+        return super()._get_help_string(action)

@@ -16,7 +16,7 @@ KEYS = ["policy", "model", "block_size", "capacity_tokens", "capacity_pages", "c
         "checkpoints_evicted", "kv_bytes_peak", "checkpoint_bytes_peak", "kv_bytes_mean",
         "checkpoint_bytes_mean", "prefill_flops_cold", "prefill_flops_saved", "prefill_flops_saved_fraction",
         "prefill_ms_cold_per_request", "prefill_ms_saved_per_request",
-        "wall_seconds", "policy_detail"]
+        "run_wall_s", "policy_detail"]
 
 
 @pytest.fixture()
@@ -134,3 +134,58 @@ def test_no_command_is_an_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def _run(*argv):
+    return subprocess.run([sys.executable, "-m", "kimilab", *map(str, argv)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["cp", "--tokens", "10000000000"], "--tokens=10000000000"),  # once a MemoryError traceback
+    (["cp", "--tokens", "100", "--affine-cost", "inf"], "--affine-cost"),  # once "weights: expected ..."
+    (["cp", "--tokens", "100", "--repeats", "0"], "--repeats"),
+])
+def test_issue_22_bad_cp_inputs_are_one_line_naming_the_flag(argv, names):
+    proc = _run(*argv)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and names in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_prompt_of_no_tokens_is_named_by_its_line(tmp_path):
+    bad = tmp_path / "zero.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 3, "output_length": 1, "hash_ids": [7]}\n'
+                   '{"timestamp": 1, "input_length": 0, "output_length": 5, "hash_ids": []}\n')
+    for argv in (["prefix", bad, "--capacity-tokens", "10000", "--policy", "ends"], ["traces", "stats", bad],
+                 ["fleet", bad, "--instances", "1", "--router", "least-loaded", "--capacity-tokens", "10000"]):
+        proc = _run(*argv)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{bad}: line 2: field 'input_length'=0" in proc.stderr
+
+
+@pytest.mark.parametrize("model", ["all_mla_27", "gqa_8b"])
+def test_models_without_kda_layers_serve_in_the_fleet(model, data_dir):
+    """Both are offered by --help; a transformer keeps KV only, so every cached token is usable."""
+    proc = _run("fleet", data_dir / "chat.jsonl", "--instances", "2", "--router", "prefix-affinity",
+                "--capacity-tokens", "200000", "--model", model)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["finished"] == out["requests"] == 270 and out["usable_hit_rate"] == out["kv_hit_rate"] > 0
+
+
+def test_a_run_where_nothing_finishes_has_null_percentiles_and_fails(data_dir):
+    proc = _run("fleet", data_dir / "chat.jsonl", "--instances", "1", "--router", "least-loaded",
+                "--capacity-tokens", "1024")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--capacity-tokens=1024" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["finished"] == 0 and out["refused"] == 270
+    assert out["ttft_p50_s"] is None and out["ttft_p99_s"] is None and out["tpot_p99_s"] is None
+
+
+def test_every_help_text_states_the_code_s_default():
+    """argparse writes each default into its help, so help and code cannot disagree."""
+    for command in ("prefix", "fleet", "cp", "experiment", "memory"):
+        text = " ".join(_run(command, "--help").stdout.split())
+        assert "(default" not in text.replace("(default: ", ""), command  # no hand-written defaults left
+    text = " ".join(_run("experiment", "--help").stdout.split())
+    assert "the fastest is kept (default: 1)" in text and "sessions per workload (default: 2)" in text

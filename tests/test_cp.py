@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from fuzzing import examples
 
 from kimilab import cp, kda
 from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
@@ -18,7 +19,7 @@ def maxdiff(a, b):
     return float(np.max(np.abs(a - b), initial=0.0))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(0, 2**16), st.integers(1, 150), st.integers(1, 3), st.integers(1, 9), st.integers(1, 9),
        st.integers(1, 40), st.sampled_from(sorted(GATES)))
 def test_affine_pass_equals_chunk_kda_from_any_state(seed, T, H, K, V, chunk, gate):
@@ -53,7 +54,7 @@ def test_ragged_splits_one_token_and_short_slices(bounds):
         assert maxdiff(oc, o) <= 1e-10 and maxdiff(Sc, S) <= 1e-10
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.data())
 def test_hypothesis_over_p_t_and_split_points(data):
     T = data.draw(st.integers(1, 160))
@@ -166,3 +167,23 @@ def test_whole_model_prefill_equals_one_rank(tiny_model, cut):
     # the cache continues exactly: one more token decodes to the same logits
     nxt = int(np.argmax(ref[-1]))
     assert maxdiff(tiny_model.decode(nxt, cache), tiny_model.decode(nxt, ref_cache)) <= 1e-10
+
+
+def test_rank_counts_and_cut_points_are_checked():
+    """ranks=0 is an error (it once ran silently on one rank); bounds and ranks must agree."""
+    from kimilab.config import tiny
+    from kimilab.model import Model
+
+    q, k, v, g, beta = random_inputs(16, 1, 4, 4, seed=0)[0]
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="ranks"):
+            cp.context_parallel_kda(q, k, v, g, beta, ranks=bad)
+    with pytest.raises(ValueError, match="ranks"):
+        cp.context_parallel_prefill(Model(tiny, seed=0), np.arange(8), ranks=0)
+    with pytest.raises(ValueError, match="ranks=3"):
+        cp.cut_points(16, 3, [0, 8, 16])
+    with pytest.raises(ValueError, match="bounds"):
+        cp.cut_points(16, None, [0, 16, 16])
+    assert cp.cut_points(16) == [0, 16] and cp.cut_points(16, 2) == [0, 8, 16]
+    with pytest.raises(ValueError, match="affine_cost"):
+        cp.balanced_weights(2, float("inf"))

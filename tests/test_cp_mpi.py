@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -78,3 +79,47 @@ def test_repeats_alternate_both_runs_and_report_medians():
     assert once["bytes_sent_per_rank"] == out["bytes_sent_per_rank"] and once["bounds"] == out["bounds"]
     bad = _cp(exe, 2, "--tokens", 400, "--repeats", 0)
     assert bad.returncode == 2 and bad.stderr.count("repeats") >= 2, bad.stderr
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_whole_model_prefill_with_large_ring_messages(ranks):
+    """`cp --model tiny` (chapter 9's exercise 9.6 path): every global layer's ring attention sends a
+    key/value block of >= 64 KB, past MPICH's eager limit, in a ring where every rank sends before
+    it receives; every KDA layer passes its state. Same logits as one rank, no hang."""
+    from kimilab.config import tiny
+    from kimilab.cp import split_bounds
+
+    exe = _mpiexec_or_skip()
+    T = 200
+    per_token = 2 * tiny.attn_kv_heads * tiny.attn_head_dim * 8  # k and v, float64
+    assert min(b - a for a, b in zip(split_bounds(T, ranks), split_bounds(T, ranks)[1:])) * per_token >= 64 * 1024
+    done = _cp(exe, ranks, "--model", "tiny", "--tokens", T, "--timeout", 30)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["ranks"] == ranks and out["max_abs_error"] <= 1e-10
+    assert min(out["bytes_sent_per_rank"]) >= 2 * 64 * 1024  # two global layers, each >= 64 KB a step
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_kda_schemes_with_large_state_messages(ranks):
+    """Every message holds at least one state, 4 heads x 64 x 64 float32 = 64 KB (sequential sends S;
+    all-gather and tree send (M, C), 128 KB): all three schemes finish, exact to fp32 rounding."""
+    exe = _mpiexec_or_skip()
+    for scheme in ("allgather", "sequential", "tree"):
+        done = _cp(exe, ranks, "--tokens", 1024, "--heads", 4, "--dim", 64, "--scheme", scheme, "--timeout", 30)
+        assert done.returncode == 0, (scheme, done.stderr)
+        out = json.loads(done.stdout)
+        assert out["max_abs_error"] <= 1e-4 and max(out["bytes_sent_per_rank"]) >= 64 * 1024, (scheme, out)
+
+
+@pytest.mark.parametrize("mode", ["recv", "send", "barrier"])
+def test_a_peer_that_never_answers_is_a_one_line_error_within_the_timeout(mode):
+    exe = _mpiexec_or_skip()
+    script = os.path.join(os.path.dirname(__file__), "mpi_silent_peer.py")
+    t0 = time.monotonic()
+    done = subprocess.run([exe, "-n", "2", sys.executable, script, mode, "2"], capture_output=True, text=True,
+                          timeout=TIMEOUT, env={**os.environ, **ONE_THREAD})
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0 and elapsed < 15, (done.returncode, elapsed)  # rank 1 would sleep 40 s
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "within 2.0 s" in lines[0] and "rank 0" in lines[0], done.stderr

@@ -5,6 +5,7 @@ import gc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab.config import kimi_linear_48b
 from kimilab.engine import Engine, FairQueue, Live
@@ -59,7 +60,7 @@ def _fleet_ok(fleet: Fleet) -> None:
         assert e.memory.pool.n_used == 0, "pages leaked"
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n_inst=st.integers(1, 3), router=st.sampled_from(
     ["round-robin", "least-loaded", "prefix-affinity", "state-aware"]), quota=st.booleans(),
     fail=st.booleans(), capacity_blocks=st.integers(45, 120))
@@ -112,7 +113,7 @@ def test_deterministic():
                   isolation="quota").summary()
     b = run_fleet(reqs, kimi_linear_48b, instances=2, router="prefix-affinity", capacity_tokens=60 * B,
                   isolation="quota").summary()
-    a.pop("wall_seconds"), b.pop("wall_seconds")
+    a.pop("run_wall_s"), b.pop("run_wall_s")
     assert a == b
 
 
@@ -185,3 +186,24 @@ def test_a_request_starts_only_from_states_a_prefill_has_computed():
             engine.check_no_leak()
     assert hits == {("every-block", 0): (2560, 2560), ("every-block", 10**6): (4096, 4096),
                     ("ends", 0): (0, 2560), ("ends", 10**6): (4096, 4096)}
+
+
+@pytest.mark.parametrize("model", ["all_mla_27", "gqa_8b"])
+def test_a_model_without_kda_layers_runs_and_reuses_every_cached_token(model):
+    """A transformer holds no state: no state pages, the kv-only policy by default (usable = KV hit),
+    and a state policy is refused by name. Tight enough to preempt; nothing leaks."""
+    from kimilab.config import preset
+
+    cfg = preset(model)
+    reqs = _trace(7, 60, max_out=800)
+    e = Engine(cfg, capacity_tokens=40 * B, token_budget=2048)
+    assert e.memory.state_pages == 0 and e.policy == "kv-only"
+    for r in reqs:
+        e.advance(r.arrival_ms / 1000)
+        e.submit(Live(r, r.arrival_ms / 1000))
+    e.drain()
+    e.check_no_leak()
+    assert len(e.finished) + len(e.refused) == len(reqs) and e.preemptions > 0
+    assert all(f.usable_hit == f.kv_hit for f in e.finished) and sum(f.usable_hit for f in e.finished) > 0
+    with pytest.raises(ValueError, match="policy='dual'.*no KDA"):
+        Engine(cfg, capacity_tokens=40 * B, policy="dual")

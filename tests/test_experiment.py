@@ -52,7 +52,7 @@ def test_reruns_agree_except_wall_clock():
     work = sessions("chat", 1, 3, tiny.vocab_size)
     a, out_a = second_request(model, "prefix:dual", work, n_out=4)
     b, out_b = second_request(model, "prefix:dual", work, n_out=4)
-    strip = {"prefill_seconds": 0, "decode_seconds": 0}
+    strip = {"prefill_wall_s": 0, "decode_wall_s": 0}
     assert out_a == out_b and a.as_dict() | strip == b.as_dict() | strip
     with pytest.raises(ValueError, match="config"):
         second_request(model, "prefix:magic", work)
@@ -67,9 +67,9 @@ N_B = 300  # the real trace's first requests: a few seconds for every variant
 
 
 def _strip_wall(obj):
-    """The result without its wall-clock fields (their names end in wall_seconds)."""
+    """The result without its wall-clock fields (their names end in _wall_s)."""
     if isinstance(obj, dict):
-        return {k: _strip_wall(v) for k, v in obj.items() if not k.endswith("wall_seconds")}
+        return {k: _strip_wall(v) for k, v in obj.items() if not k.endswith("_wall_s")}
     if isinstance(obj, list):
         return [_strip_wall(v) for v in obj]
     return obj
@@ -155,3 +155,14 @@ def test_experiment_cli_part_b(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["experiment", *bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
+
+
+def test_part_a_twice_agrees_except_the_wall_clock_fields(part_a, tmp_path):
+    """Issue 22: every field not named ``*_wall_s`` is the same in a second run of Part A."""
+    _, first = part_a
+    second = run_part_a(tmp_path, n_sessions=1, n_out=6)
+    walls = {k for r in first["rows"] for k in r if k.endswith("_wall_s")}
+    assert walls == {"prefill_wall_s", "decode_wall_s"}
+    strip = lambda res: [{k: v for k, v in r.items() if k not in walls} for r in res["rows"]]  # noqa: E731
+    assert strip(first) == strip(second)
+    assert {k: v for k, v in first.items() if k != "rows"} == {k: v for k, v in second.items() if k != "rows"}

@@ -27,11 +27,11 @@ def test_fleet_prints_one_deterministic_object(traces, capsys):
             "--capacity-tokens", "200000", "--fail", "1@0.2"]
     a, b = _run(capsys, argv), _run(capsys, argv)
     for key in ("requests", "finished", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p99_s",
-                "usable_hit_rate", "tenants", "instances", "wall_seconds"):
+                "usable_hit_rate", "tenants", "instances", "run_wall_s"):
         assert key in a
     assert a["requests"] == a["finished"] == 21
     assert set(a["tenants"]) == {"chat", "docs"}
-    a.pop("wall_seconds"), b.pop("wall_seconds")
+    a.pop("run_wall_s"), b.pop("run_wall_s")
     assert a == b
 
 

@@ -197,7 +197,7 @@ def test_ends_admits_only_at_request_ends():
 
 def _cache_numbers(res):
     out = res.as_dict()
-    for key in ("policy", "wall_seconds"):
+    for key in ("policy", "run_wall_s"):
         out.pop(key)
     return out, [(o.kv_hit, o.usable_hit, o.checkpoint_positions) for o in res.per_request]
 

@@ -142,7 +142,7 @@ def test_cache_and_memory_together_measure_each_as_alone(agent_trace):
 
     both = simulate(reqs, cache=cache(), memory=memory())
     alone_cache, alone_memory = simulate(reqs, cache=cache()), simulate(reqs, memory=memory())
-    assert both.as_dict() | {"wall_seconds": 0} == alone_cache.as_dict() | {"wall_seconds": 0}
+    assert both.as_dict() | {"run_wall_s": 0} == alone_cache.as_dict() | {"run_wall_s": 0}
     assert both.summary() == alone_memory.summary()
     assert np.array_equal(both.running, alone_memory.running)
 
@@ -176,7 +176,7 @@ def test_a_parallel_sweep_gives_the_serial_numbers(data_dir):
             for gb in (1, 2)}
     jobs["vllm", 2] = Replay(trace, "every-block", 2, block_size=1888)
     two, one = replay_many(jobs, workers=2), replay_many(jobs, workers=1)
-    strip = {"wall_seconds": 0}
+    strip = {"run_wall_s": 0}
     assert {k: r.as_dict() | strip for k, r in two.items()} == {k: r.as_dict() | strip for k, r in one.items()}
     by_hand = simulate(load_trace(trace), cache=RunPrefixCache(
         config.kimi_linear_48b, make_policy("dual", alpha=0.02), block_size=512,

@@ -14,12 +14,12 @@ from kimilab.cp.kda_cp import SCHEMES, check_agreement, context_parallel_kda, cp
 from kimilab.cp.costs import predicted_speedup, ring_attention_bytes, scheme_costs
 from kimilab.cp.prefill import context_parallel_prefill, cp_prefill_rank
 from kimilab.cp.ring import merge_partials, partial_attention, ring_attention_rank
-from kimilab.cp.split import balanced_weights, slices, split_bounds
+from kimilab.cp.split import balanced_weights, cut_points, slices, split_bounds
 
 __all__ = [
     "LocalComm", "MPIComm", "payload_bytes", "run_local",
     "SCHEMES", "check_agreement", "context_parallel_kda", "cp_kda_rank", "fold_states",
-    "balanced_weights", "slices", "split_bounds",
+    "balanced_weights", "cut_points", "slices", "split_bounds",
     "predicted_speedup", "ring_attention_bytes", "scheme_costs",
     "merge_partials", "partial_attention", "ring_attention_rank",
     "context_parallel_prefill", "cp_prefill_rank",

@@ -1,15 +1,23 @@
 """The communicator the context-parallel code talks through, with two backends.
 
-The math (``kimilab.cp.kda``) sees only ``rank``, ``size``, ``allgather``, ``send`` and
-``recv``. :class:`LocalComm` runs P ranks as threads of one process (what tests and the
-book use: no MPI needed, and it counts bytes and messages); :class:`MPIComm` wraps
-``mpi4py`` so the same code runs as P operating-system processes under ``mpiexec``.
-Every blocking call has a timeout, so a rank that never arrives is an error, not a hang.
+The math (``kimilab.cp.kda``) sees only ``rank``, ``size``, ``allgather``, ``send``,
+``recv`` and ``sendrecv``. :class:`LocalComm` runs P ranks as threads of one process (what
+tests and the book use: no MPI needed, and it counts bytes and messages); :class:`MPIComm`
+wraps ``mpi4py`` so the same code runs as P operating-system processes under ``mpiexec``.
+
+Both backends give ``send`` the same meaning: it never waits for the receiver (a local
+mailbox; a non-blocking MPI send completed later), so a ring where every rank sends before
+it receives cannot deadlock, whatever the message size. (A blocking MPI send of a large
+message waits until the peer receives it: past MPICH's eager limit, a ring of them hangs.)
+Every call that waits -- a receive, a collective, finishing the sends -- has a timeout, so
+a rank that never arrives is a one-line error, not a hang.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import time
 
@@ -57,6 +65,15 @@ class Comm:
 
     def recv(self, source: int):  # pragma: no cover - interface
         raise NotImplementedError
+
+    def sendrecv(self, obj, dest: int, source: int):
+        """Send ``obj`` to ``dest`` and receive from ``source`` (a ring step): safe in any order,
+        since ``send`` never waits for its receiver."""
+        self.send(obj, dest)
+        return self.recv(source)
+
+    def flush(self) -> None:
+        """Wait (with the timeout) until every message this rank sent has been delivered."""
 
 
 class _Group:
@@ -135,7 +152,11 @@ def run_local(size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs):
 
 
 class MPIComm(Comm):
-    """This process's rank in ``MPI.COMM_WORLD`` (mpi4py); recv polls so it can time out."""
+    """This process's rank in ``MPI.COMM_WORLD`` (mpi4py).
+
+    Sends are non-blocking (``isend``) and finished by later calls; receives poll, so
+    every wait can time out. Call :meth:`flush` (or any collective) before the rank ends.
+    """
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT):
         super().__init__()
@@ -143,36 +164,57 @@ class MPIComm(Comm):
 
         self._MPI, self._c, self.timeout = MPI, MPI.COMM_WORLD, timeout
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
+        self._pending: list = []  # (request, dest) of sends not yet delivered
+
+    def _poll(self, done, what: str) -> None:
+        """Sleep-poll until ``done()``, finishing sends meanwhile; TimeoutError naming ``what``."""
+        deadline, nap = time.monotonic() + self.timeout, 1e-5
+        while not done():
+            self._progress()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: {what} within {self.timeout} s")
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)  # a long wait (another rank's one-rank reference) polls rarely
+
+    def _progress(self) -> None:
+        self._pending = [(req, dest) for req, dest in self._pending if not req.Test()]
 
     def _sleepy_barrier(self) -> None:
         """A barrier that sleeps while it waits (MPI's spins, stealing a core from ranks still working)
         and times out instead of hanging."""
-        req, deadline, nap = self._c.Ibarrier(), time.monotonic() + self.timeout, 1e-5
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: other ranks did not arrive within {self.timeout} s")
-            time.sleep(nap)
-            nap = min(2 * nap, 2e-3)  # a long wait (another rank's one-rank reference) polls rarely
+        req = self._c.Ibarrier()
+        self._poll(req.Test, "other ranks did not arrive")
+
+    def flush(self) -> None:
+        if self._pending:
+            self._poll(lambda: not self._pending,
+                       "rank(s) " + ", ".join(sorted({str(d) for _, d in self._pending})) + " did not receive")
 
     def allgather(self, obj) -> list:
         self._count(obj, self.size - 1)
+        self.flush()
         self._sleepy_barrier()  # everyone is here: the all-gather itself will not wait long
         return self._c.allgather(obj)
 
     def send(self, obj, dest: int) -> None:
         self._count(obj, 1)
-        self._c.send(obj, dest=dest, tag=7)
+        self._pending.append((self._c.isend(obj, dest=dest, tag=7), dest))
 
     def recv(self, source: int):
-        deadline = time.monotonic() + self.timeout
-        while not self._c.Iprobe(source=source, tag=7):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: nothing from rank {source} within {self.timeout} s")
-            time.sleep(1e-4)
+        self._poll(lambda: self._c.Iprobe(source=source, tag=7), f"nothing from rank {source}")
         return self._c.recv(source=source, tag=7)
 
     def barrier(self) -> None:
+        self.flush()
         self._sleepy_barrier()
 
     def wtime(self) -> float:
         return self._MPI.Wtime()
+
+    @staticmethod
+    def abort(code: int) -> None:
+        """End this rank now, without MPI_Finalize (which could wait forever on a peer that never
+        answers); mpiexec then ends the job's other ranks. Print the reason first."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

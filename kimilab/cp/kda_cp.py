@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kimilab.cp.comm import run_local
-from kimilab.cp.split import slices, split_bounds
+from kimilab.cp.split import cut_points, slices
 from kimilab.kda import chunk_kda, compose_transitions
 from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
 
@@ -124,12 +124,7 @@ def context_parallel_kda(q, k, v, g, beta, *, ranks: int | None = None, bounds=N
     Cut at ``bounds`` (P + 1 cut points) or evenly into ``ranks`` slices. ``comms`` hold
     each rank's bytes and messages sent.
     """
-    T = np.asarray(k).shape[0]
-    if bounds is None:
-        bounds = split_bounds(T, ranks or 1)
-    bounds = [int(b) for b in bounds]
-    if bounds[0] != 0 or bounds[-1] != T or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
-        raise ValueError(f"bounds={bounds}: expected strictly increasing cut points from 0 to T={T}")
+    bounds = cut_points(np.asarray(k).shape[0], ranks, bounds)
     parts = [tuple(np.asarray(x)[s] for x in (q, k, v, g, beta)) for s in slices(bounds)]
 
     def rank_fn(comm):

@@ -3,7 +3,9 @@
 :func:`mpi_run` is what every rank executes for ``mpiexec -n P python -m kimilab cp``:
 seeded inputs (the same on every rank; each keeps its slice), one single-rank
 ``chunk_kda`` on rank 0 while the others wait, then the P-rank run, both timed between
-barriers in the same process group. :func:`launch` starts ``mpiexec`` from Python (the
+barriers in the same process group. :func:`mpi_prefill_run` does the same for the whole
+reduced model (``cp --model tiny``): every KDA layer's state passing and every global
+layer's ring attention across processes, checked against ``Model.prefill``. :func:`launch` starts ``mpiexec`` from Python (the
 book and the benchmark do) with one BLAS thread per rank, and parses the JSON line.
 On several machines the only change is the launch: ``mpiexec -f hostfile -n P ...``.
 """
@@ -22,12 +24,13 @@ import numpy as np
 
 from kimilab.cp.comm import MPIComm
 from kimilab.cp.kda_cp import cp_kda_rank
+from kimilab.cp.prefill import cp_prefill_rank
 from kimilab.cp.split import balanced_weights, slices, split_bounds
 from kimilab.kda import chunk_kda
 from kimilab.kda.testing import random_inputs
 from kimilab.validate import check_int
 
-__all__ = ["mpi_run", "launch", "mpiexec_path", "ONE_THREAD"]
+__all__ = ["mpi_run", "mpi_prefill_run", "cp_input_bytes", "launch", "mpiexec_path", "ONE_THREAD"]
 
 # One BLAS / OpenMP thread per rank: P ranks on P cores, no oversubscription.
 ONE_THREAD = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -74,6 +77,7 @@ def mpi_run(tokens: int, heads: int = 4, dim: int = 64, dtype: str = "float32", 
     if r > 0:
         comm.send(o, 0)
         comm.send(S, 0) if r == P - 1 else None
+        comm.flush()
         return None
     outs = [o] + [comm.recv(src) for src in range(1, P)]
     S_last = comm.recv(P - 1) if P > 1 else S
@@ -85,6 +89,50 @@ def mpi_run(tokens: int, heads: int = 4, dim: int = 64, dtype: str = "float32", 
             "seconds_per_rank": [s for s, _ in gathered],
             "bytes_sent_per_rank": [b for _, (b, _) in gathered],
             "messages_sent_per_rank": [m for _, (_, m) in gathered]}
+
+
+def cp_input_bytes(tokens: int, heads: int, dim: int, dtype: str, model: str | None = None) -> int:
+    """Bytes one rank allocates for a ``cp`` run before it starts: every rank draws the whole
+    seeded input, and rank 0 keeps the one-rank reference output (a lower bound on its peak)."""
+    if model is not None:
+        from kimilab.config import preset
+
+        config = preset(model)
+        return 3 * tokens * (config.vocab_size + 4 * config.d_model) * np.dtype(config.dtype).itemsize
+    item = np.dtype(dtype).itemsize
+    per_token = heads * (4 * dim + dim + 1)  # q, k, g, v, one output, beta (each rank draws them all)
+    return 2 * tokens * per_token * item  # inputs, and the reference and CP outputs beside them
+
+
+def mpi_prefill_run(tokens: int, model: str = "tiny", *, seed: int = 0, timeout: float = 120.0) -> dict | None:
+    """Every rank calls this under mpiexec: the whole model's CP prefill of a seeded prompt.
+
+    Rank 0 returns the largest logit difference from ``Model.prefill`` on one rank, and
+    what each rank sent (bytes, messages) as the communicator counted it; the others None.
+    """
+    from kimilab.config import preset
+    from kimilab.model import HybridCache, Model
+
+    config = preset(model)
+    if config.shapes_only:
+        raise ValueError(f"model={model!r}: expected a runnable preset (one with weights), such as 'tiny'")
+    comm = MPIComm(timeout=timeout)
+    P, r = comm.size, comm.rank
+    bounds = split_bounds(tokens, P)  # raises on every rank if P > T
+    net = Model(config, seed=seed)
+    prompt = np.random.default_rng(seed).integers(0, config.vocab_size, tokens)
+    part = slices(bounds)[r]
+    logits, _ = cp_prefill_rank(comm, net, prompt[part], part.start)
+    sent = comm.allgather((comm.bytes_sent, comm.messages_sent))
+    if r > 0:
+        comm.send(logits, 0)
+        comm.flush()
+        return None
+    every = np.concatenate([logits] + [comm.recv(src) for src in range(1, P)])
+    ref = net.prefill(prompt, HybridCache(config))
+    return {"ranks": P, "tokens": tokens, "model": model, "bounds": bounds,
+            "max_abs_error": float(np.abs(every - ref).max()),
+            "bytes_sent_per_rank": [b for b, _ in sent], "messages_sent_per_rank": [m for _, m in sent]}
 
 
 def mpiexec_path() -> str | None:

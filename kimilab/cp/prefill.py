@@ -15,7 +15,7 @@ import numpy as np
 from kimilab.cp.comm import run_local
 from kimilab.cp.kda_cp import cp_kda_rank
 from kimilab.cp.ring import ring_attention_rank
-from kimilab.cp.split import slices, split_bounds
+from kimilab.cp.split import cut_points, slices
 from kimilab.model import HybridCache
 from kimilab.model.layers import rms_norm
 
@@ -61,9 +61,7 @@ def context_parallel_prefill(model, tokens, ranks: int | None = None, bounds=Non
     Cut evenly into ``ranks`` slices, or at ``bounds`` (P + 1 increasing cut points).
     """
     tokens = np.asarray(tokens, dtype=np.int64)
-    bounds = split_bounds(len(tokens), ranks or 1) if bounds is None else [int(b) for b in bounds]
-    if bounds[0] != 0 or bounds[-1] != len(tokens) or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"bounds={bounds}: expected strictly increasing cut points from 0 to T={len(tokens)}")
+    bounds = cut_points(len(tokens), ranks, bounds)
     ranks = len(bounds) - 1
     parts = [(tokens[s], s.start) for s in slices(bounds)]
     results, _ = run_local(ranks, lambda comm: cp_prefill_rank(comm, model, *parts[comm.rank]))

@@ -56,7 +56,6 @@ def ring_attention_rank(comm, q, k, v, start: int, scale=None):
     acc = partial_attention(q, k, v, pos, pos, scale)
     block = (np.asarray(k), np.asarray(v), pos)
     for _ in range(P - 1):
-        comm.send(block, (r + 1) % P)
-        block = comm.recv((r - 1) % P)
+        block = comm.sendrecv(block, (r + 1) % P, (r - 1) % P)
         acc = merge_partials(acc, partial_attention(q, block[0], block[1], pos, block[2], scale))
     return acc[0]

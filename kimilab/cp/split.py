@@ -12,7 +12,7 @@ import numpy as np
 
 from kimilab.validate import check_int
 
-__all__ = ["split_bounds", "balanced_weights", "slices"]
+__all__ = ["split_bounds", "cut_points", "balanced_weights", "slices"]
 
 
 def split_bounds(T: int, P: int, weights=None) -> list[int]:
@@ -36,14 +36,27 @@ def split_bounds(T: int, P: int, weights=None) -> list[int]:
     return bounds
 
 
+def cut_points(T: int, ranks: int | None = None, bounds=None) -> list[int]:
+    """The cut points of an in-process CP run: ``bounds`` as given (checked), else ``ranks``
+    even slices (default one rank)."""
+    if bounds is None:
+        return split_bounds(T, 1 if ranks is None else check_int("ranks", ranks, 1))
+    bounds = [int(b) for b in bounds]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds={bounds}: expected strictly increasing cut points from 0 to T={T}")
+    if ranks is not None and ranks != len(bounds) - 1:
+        raise ValueError(f"ranks={ranks}: expected len(bounds) - 1 = {len(bounds) - 1}, or only one of the two")
+    return bounds
+
+
 def balanced_weights(P: int, affine_cost: float) -> list[float]:
     """Slice weights when rank 0's pass costs 1 per token and every other rank's ``affine_cost``.
 
     Equal finishing times: w0 = affine_cost * w_r for r >= 1.
     """
     P = check_int("P", P, 1)
-    if not affine_cost > 0:
-        raise ValueError(f"affine_cost={affine_cost!r}: expected a positive number")
+    if not 0 < affine_cost < float("inf"):
+        raise ValueError(f"affine_cost={affine_cost!r}: expected a positive finite number")
     return [float(affine_cost)] + [1.0] * (P - 1)
 
 

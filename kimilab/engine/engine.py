@@ -47,13 +47,15 @@ class Engine:
     """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``."""
 
     def __init__(self, config: ModelConfig, *, capacity_tokens: int | None, block_size: int = 512,
-                 token_budget: int = 8192, max_batch: int = 256, policy: str = "dual",
+                 token_budget: int = 8192, max_batch: int = 256, policy: str | None = None,
                  quotas: dict[str, float] | None = None, fair: bool = False,
                  deployment: Deployment = DEFAULT_DEPLOYMENT, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
         self.max_batch = check_int("max_batch", max_batch, 1)
+        if policy is None:  # a transformer reuses every cached token: its states are free
+            policy = "dual" if config.kda_layers else "kv-only"
         self.capacity_tokens, self.policy, self.quotas = capacity_tokens, policy, quotas
         self.memory = InstanceMemory(config, block_size=block_size, capacity_tokens=capacity_tokens,
                                      policy=policy, quotas=quotas)
@@ -148,7 +150,9 @@ class Engine:
             cache.abandon(path, 0)  # refused: nothing of it was computed
             return False
         pool = mem.pool
-        live.allocs = [pool.allocate("kda_state", mem.state_pages), pool.allocate("kv", kv_pages)]
+        live.allocs = [pool.allocate("kv", kv_pages)]
+        if mem.state_pages:  # a model without KDA layers has no state to hold
+            live.allocs.append(pool.allocate("kda_state", mem.state_pages))
         live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
         live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)  # its prefill starts here
         live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit

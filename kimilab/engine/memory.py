@@ -25,6 +25,9 @@ class InstanceMemory:
 
     def __init__(self, config: ModelConfig, *, block_size: int = 512, capacity_tokens: int | None,
                  policy: str = "dual", quotas: dict[str, float] | None = None):
+        if not config.kda_layers and not make_policy(policy).free_states:
+            raise ValueError(f"policy={policy!r} checkpoints KDA states, but config={config.name!r} has no KDA "
+                             f"layer: use 'kv-only' (every cached token is usable)")
         self.config, self.block_size, self.policy_name = config, block_size, policy
         costs = shared_costs(config)
         n_pages = UNBOUNDED_PAGES if capacity_tokens is None else max(1, capacity_tokens // block_size)

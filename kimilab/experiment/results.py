@@ -21,9 +21,9 @@ from pathlib import Path
 from kimilab.config import tiny
 from kimilab.experiment.second import CONFIGS, second_request, sessions
 from kimilab.model import Model
-from kimilab.validate import check_int
+from kimilab.validate import HelpWithDefaults, check_int, nonnegative_float_arg, positive_int_arg
 
-__all__ = ["WORKLOADS", "PARTS", "run_part_a", "part_a_table", "add_arguments", "main"]
+__all__ = ["WORKLOADS", "PARTS", "run_part_a", "part_a_table", "add_arguments", "run", "main"]
 
 WORKLOADS = ("agent", "chat")
 
@@ -82,20 +82,19 @@ PARTS = ("a", "b", "all")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kimilab experiment`` without the rest of the command line."""
     import argparse
 
+    parser = argparse.ArgumentParser(prog="python -m kimilab experiment", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpWithDefaults)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args) -> int:
+    """Run the parts ``args`` asks for; 0 if every check in them held."""
     from kimilab.experiment.scale import part_b_table, run_part_b
 
-    parser = argparse.ArgumentParser(prog="python -m kimilab experiment", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    for name in ("sessions", "repeats", "instances", "capacity_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive int")
-    if args.requests is not None and args.requests < 1:
-        parser.error(f"--requests {args.requests}: expected a positive int")
-    if not args.price >= 0:
-        parser.error(f"--price {args.price}: expected a price >= 0 (dollars per accelerator-hour)")
     ok = True
     if args.part in ("a", "all"):
         result = run_part_a(args.out, n_sessions=args.sessions, repeats=args.repeats)
@@ -112,16 +111,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser) -> None:
-    """The experiment's options (shared by ``python -m kimilab experiment``)."""
+    """The experiment's options (``python -m kimilab experiment`` and :func:`main`); argparse adds
+    each default to its help."""
     parser.add_argument("--out", default="results", help="directory for the result files")
     parser.add_argument("--part", default="all", choices=PARTS, help="a: reduced model on CPU; b: 48B fleet "
-                        "simulator on the real trace; all (default): both")
-    parser.add_argument("--sessions", type=int, default=2, help="part A: sessions per workload")
-    parser.add_argument("--repeats", type=int, default=1, help="part A: wall-clock repeats (the best is kept)")
-    parser.add_argument("--requests", type=int, default=None, help="part B: the trace's first N requests "
-                        "(default: all)")
-    parser.add_argument("--instances", type=int, default=8, help="part B: engine instances (default 8)")
-    parser.add_argument("--capacity-tokens", type=int, default=2_000_000,
-                        help="part B: each instance's pool in tokens of KV (default 2,000,000)")
-    parser.add_argument("--price", type=float, default=2.0,
-                        help="part B: assumed dollars per accelerator-hour (default 2.0)")
+                        "simulator on the real trace; all: both")
+    parser.add_argument("--sessions", type=positive_int_arg, default=2, help="part A: sessions per workload")
+    parser.add_argument("--repeats", type=positive_int_arg, default=1,
+                        help="part A: wall-clock repeats; the fastest is kept")
+    parser.add_argument("--requests", type=positive_int_arg, default=None,
+                        help="part B: the trace's first N requests (none given: all)")
+    parser.add_argument("--instances", type=positive_int_arg, default=8, help="part B: engine instances")
+    parser.add_argument("--capacity-tokens", type=positive_int_arg, default=2_000_000,
+                        help="part B: each instance's pool in tokens of KV")
+    parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,
+                        help="part B: assumed dollars per accelerator-hour")

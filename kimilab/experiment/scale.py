@@ -19,7 +19,8 @@ Every variant reports the usable and KV hit rates, TTFT p50/p99, TPOT p50/p99, t
 the prefill tokens computed, accelerator-seconds (provisioned: every device of every
 instance for the whole run; busy: only while stepping) and the cost per million output
 tokens at a stated price per accelerator-hour -- an estimate whose assumptions are
-returned beside it. Everything is deterministic except fields ending in ``wall_seconds``.
+returned beside it. Everything is deterministic except the wall-clock fields, whose names
+end in ``_wall_s``.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def run_variant(requests, variant: Variant, *, instances: int, capacity_tokens: 
         "tokens_per_busy_accelerator_s": round(out_tok / busy, 6) if busy else 0.0,
         "cost_per_m_output_usd": round(cost_per_m_output(accel, price_per_hour, out_tok), 6),
         "busy_cost_per_m_output_usd": round(cost_per_m_output(busy, price_per_hour, out_tok), 6),
-        "wall_seconds": round(wall, 3),
+        "run_wall_s": round(wall, 3),
     }
 
 
@@ -171,7 +172,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
         "reuse_upper_bound": round(reuse_upper_bound(requests, BLOCK), 6),
         "kimilab": _version(),
         "rows": rows,
-        "wall_seconds": round(time.perf_counter() - t0, 3),
+        "run_wall_s": round(time.perf_counter() - t0, 3),
     }
     if out is not None:
         out = Path(out)

@@ -55,9 +55,9 @@ class TurnCost:
     prompt_tokens: int
     prefill_tokens: int  # computed; the rest came from cache
     prefill_flops: int
-    prefill_seconds: float  # wall clock, best of the repeats
+    prefill_wall_s: float  # wall clock (seconds), best of the repeats
     decode_passes: int  # forward passes of the target model while decoding
-    decode_seconds: float  # wall clock, best of the repeats
+    decode_wall_s: float  # wall clock (seconds), best of the repeats
     held_bytes: int  # checkpoints (prefix) or scratch (spec) the component holds at its peak
     same_tokens: bool  # turn 2's output equals the baseline's
 

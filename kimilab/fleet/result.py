@@ -9,8 +9,9 @@ import numpy as np
 __all__ = ["FleetResult"]
 
 
-def _pct(x: np.ndarray, q: float) -> float:
-    return round(float(np.percentile(x, q)), 6) if x.size else 0.0
+def _pct(x: np.ndarray, q: float) -> float | None:
+    """A percentile rounded to the microsecond; None (JSON null) when no request finished."""
+    return round(float(np.percentile(x, q)), 6) if x.size else None
 
 
 @dataclass
@@ -75,7 +76,8 @@ class FleetResult:
         return {"requests": int(np.count_nonzero(m) if not isinstance(m, slice) else self.finished),
                 "ttft_p50_s": _pct(self.ttft_s[m], 50), "ttft_p99_s": _pct(self.ttft_s[m], 99),
                 "tpot_p50_s": _pct(self.tpot_s[m][multi], 50), "tpot_p99_s": _pct(self.tpot_s[m][multi], 99),
-                "e2e_p99_s": _pct(self.e2e_s[m], 99), "usable_hit_rate": round(self.usable_hit_rate(m), 6)}
+                "e2e_p99_s": _pct(self.e2e_s[m], 99),
+                "usable_hit_rate": round(self.usable_hit_rate(m), 6) if self.input_tokens[m].size else None}
 
     def utilisation(self) -> np.ndarray:
         """Busy fraction per instance and time bucket."""
@@ -112,5 +114,5 @@ class FleetResult:
         out["instances"] = [{"instance": i, "requests": int(np.count_nonzero(self.instance == i)),
                              "usable_hit_rate": round(self.usable_hit_rate(self.instance == i), 6),
                              "busy_fraction": round(float(util[i].sum() / span), 6)} for i in range(self.n_instances)]
-        out["wall_seconds"] = round(self.wall_seconds, 3)
+        out["run_wall_s"] = round(self.wall_seconds, 3)
         return out

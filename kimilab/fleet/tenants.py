@@ -45,5 +45,11 @@ def load_tenants(paths: Sequence, block_size: int = 512) -> list:
     """Load trace files, one tenant each (named by file stem), merged."""
     from kimilab.traffic import load_trace
 
-    return merge_tenants([(Path(p).stem, load_trace(p, block_size)) for p in paths])
+    streams = []
+    for p in paths:
+        try:
+            streams.append((Path(p).stem, load_trace(p, block_size)))
+        except ValueError as err:
+            raise ValueError(f"{p}: {err}") from None
+    return merge_tenants(streams)
 

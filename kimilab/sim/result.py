@@ -116,7 +116,7 @@ class SimResult:
             "prefill_flops_saved_fraction": round(self.prefill_flops_saved / cold, 6) if cold else 0.0,
             "prefill_ms_cold_per_request": round(1e3 * self.prefill_seconds_cold / max(self.requests, 1), 4),
             "prefill_ms_saved_per_request": round(self.prefill_ms_saved_per_request, 4),
-            "wall_seconds": round(self.wall_seconds, 3),
+            "run_wall_s": round(self.wall_seconds, 3),
         }
 
     # ----- engine view -----

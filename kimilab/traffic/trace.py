@@ -101,6 +101,8 @@ def parse_line(text: str, lineno: int = 1, block_size: int = DEFAULT_BLOCK_SIZE)
         if v < 0:
             raise ValueError(f"{where}: field '{name}'={v!r}: expected a non-negative int")
         values[name] = v
+    if values["input_length"] == 0:
+        raise ValueError(f"{where}: field 'input_length'=0: expected a prompt of at least one token")
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise ValueError(f"{where}: field 'hash_ids'={ids!r}: expected a list of non-negative ints")
