@@ -56,7 +56,7 @@ from kimilab.experiment.scale import part_b_table, run_part_b, run_variant
 from kimilab.notebook import show_source
 
 plots.use_style()
-OUT = Path("../results")
+OUT = Path(tempfile.mkdtemp(prefix="kimilab-part-a-"))  # make experiment owns results/; this is a smaller run
 
 # %% [markdown]
 # ## The design
@@ -86,7 +86,7 @@ show_source(run_part_a)
 #
 # The next cell runs the whole of Part A — both workloads, every component — and writes
 # the two result files; then it reads the JSON back. Everything in it is deterministic
-# except the fields whose names end in `_seconds`.
+# except the wall-clock fields, whose names end in `_wall_s`.
 
 # %%
 run_part_a(OUT, n_sessions=1, n_out=12)
@@ -156,8 +156,8 @@ print("held by the component at its peak (agent):",
 # NBVAL_IGNORE_OUTPUT
 fig, ax = plt.subplots(figsize=(8, 4.0))
 for offset, kind in ((-0.2, "agent"), (0.2, "chat")):
-    pre = [1e3 * rows[kind, c]["prefill_seconds"] for c in names]
-    dec = [1e3 * rows[kind, c]["decode_seconds"] for c in names]
+    pre = [1e3 * rows[kind, c]["prefill_wall_s"] for c in names]
+    dec = [1e3 * rows[kind, c]["decode_wall_s"] for c in names]
     ax.barh(y + offset, pre, height=0.4, color=plots.color(kind), label=f"{plots.label(kind)}: prefill")
     ax.barh(y + offset, dec, left=pre, height=0.4, color=plots.color(kind), alpha=0.45,
             label=f"{plots.label(kind)}: decode")
@@ -171,7 +171,7 @@ plt.show()
 for kind in ("agent", "chat"):
     b = rows[kind, "baseline"]
     print(f"{kind}: " + ", ".join(
-        f"{c} {(rows[kind, c]['prefill_seconds'] + rows[kind, c]['decode_seconds']) / (b['prefill_seconds'] + b['decode_seconds']):.2f}x"
+        f"{c} {(rows[kind, c]['prefill_wall_s'] + rows[kind, c]['decode_wall_s']) / (b['prefill_wall_s'] + b['decode_wall_s']):.2f}x"
         for c in names))
 
 # %% [markdown]
