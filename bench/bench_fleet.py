@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from kimilab.config import kimi_linear_48b
+from kimilab.costs import DEFAULT_DEPLOYMENT
 from kimilab.fleet import run_fleet
 from kimilab.fleet.tenants import label_tenant
 from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
@@ -41,7 +42,8 @@ def main() -> None:
     walls = {}
     for router in ("least-loaded", "state-aware"):
         start = time.perf_counter()
-        res = run_fleet(reqs, kimi_linear_48b, instances=INSTANCES, router=router, capacity_tokens=4_000_000,
+        res = run_fleet(reqs, kimi_linear_48b, deployment=DEFAULT_DEPLOYMENT, instances=INSTANCES, router=router,
+                        capacity_tokens=4_000_000,
                         rate_scale=2.0)
         wall = walls[router] = time.perf_counter() - start
         s = res.summary()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from kimilab.config import kimi_linear_48b
-from kimilab.costs import kv_bytes_per_token
+from kimilab.costs import DEFAULT_DEPLOYMENT as DEPLOYMENT, kv_bytes_per_token
 from kimilab.prefix import POLICIES, HybridPrefixCache, RunPrefixCache, make_policy
 from kimilab.sim import simulate
 from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
@@ -30,9 +30,10 @@ GIGABYTES = (10, 40)
 
 def _replay(records, name: str, capacity_tokens: int, runs: bool = True):
     if runs:
-        cache = RunPrefixCache(kimi_linear_48b, make_policy(name), block_size=BLOCK, capacity_tokens=capacity_tokens)
+        cache = RunPrefixCache(kimi_linear_48b, make_policy(name), deployment=DEPLOYMENT, block_size=BLOCK,
+                               capacity_tokens=capacity_tokens)
     else:
-        cache = HybridPrefixCache.for_budget(kimi_linear_48b, make_policy(name), block_size=BLOCK,
+        cache = HybridPrefixCache.for_budget(kimi_linear_48b, make_policy(name), deployment=DEPLOYMENT, block_size=BLOCK,
                                              capacity_tokens=capacity_tokens)
     wall, cpu = time.perf_counter(), time.process_time()
     res = simulate(records, cache=cache)
@@ -45,7 +46,8 @@ def main() -> None:
     load_s = time.perf_counter() - start
     n_blocks = sum(len(r.hash_ids) for r in records)
     print(f"trace: {TRACE.name}, {len(records)} requests, {n_blocks} blocks, loaded in {load_s:.2f} s")
-    per_token = kv_bytes_per_token(kimi_linear_48b)
+    per_token = kv_bytes_per_token(kimi_linear_48b, DEPLOYMENT)
+    print(f"per device of {DEPLOYMENT.describe()}")
     for gb in GIGABYTES:
         cap = int(gb * 1e9 // per_token)
         _, first, _ = _replay(records, "kv-only", cap)

@@ -9,7 +9,7 @@ process (best of a few runs); ratios are the result, absolute times depend on th
 from __future__ import annotations
 
 from kimilab import config
-from kimilab.costs import spec as spec_costs
+from kimilab.costs import DEFAULT_DEPLOYMENT as DEPLOYMENT, spec as spec_costs
 from kimilab.model import Model
 from kimilab.spec import rollback_timings
 
@@ -18,13 +18,13 @@ K = 8
 
 def bench_bytes() -> None:
     cfg = config.kimi_linear_48b
-    snap = spec_costs.rollback_bytes(cfg, "snapshot", K)
-    print(f"48B rollback bytes per request at k={K}: snapshot={snap / 1e6:.1f} MB "
+    snap = spec_costs.rollback_bytes(cfg, DEPLOYMENT, "snapshot", K)
+    print(f"48B rollback bytes per request per device ({DEPLOYMENT.describe()}) at k={K}: snapshot={snap / 1e6:.1f} MB "
           f"({K + 1} checkpoints, states fp32, conv bf16)")
     for act_bytes, dtype in ((2, "bf16"), (4, "fp32")):
         for keep in spec_costs.RECORD_KEEPS:
             for strategy in ("replay", "ring"):
-                b = spec_costs.rollback_bytes(cfg, strategy, K, keep=keep, act_bytes=act_bytes)
+                b = spec_costs.rollback_bytes(cfg, DEPLOYMENT, strategy, K, keep=keep, act_bytes=act_bytes)
                 print(f"  {strategy:<6s} {keep:<9s} activations {dtype}: {b / 1e6:6.2f} MB  "
                       f"snapshot/{strategy} ratio={snap / b:.1f}x")
 

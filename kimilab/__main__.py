@@ -51,6 +51,14 @@ def _capacity(text: str) -> int | None:
     return positive_int_arg(text)
 
 
+def _add_deployment(parser) -> None:
+    """``--deployment``: which named deployment prices every byte (per device) and second."""
+    from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
+
+    parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT.name, choices=sorted(DEPLOYMENTS),
+                        help="the named deployment every byte (per device) and second is priced on")
+
+
 def _parser() -> _Parser:
     from kimilab.config import PRESETS
     from kimilab.prefix.policies import POLICIES
@@ -66,7 +74,7 @@ def _parser() -> _Parser:
     p.add_argument("--policy", choices=list(POLICIES), required=True,
                    help="where KDA states are checkpointed: " + ", ".join(POLICIES))
     p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
-                   help="cache memory in tokens of the model's KV (N * kv_bytes_per_token bytes), shared "
+                   help="cache memory per device in tokens of KV (N * KV bytes per token on one device), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")
     p.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
                    help="config preset whose bytes and FLOPs are used")
@@ -77,6 +85,7 @@ def _parser() -> _Parser:
     p.add_argument("--alpha", type=float, default=0.005,
                    help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers")
     p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
+    _add_deployment(p)
 
     t = sub.add_parser("traces", help="trace files: statistics, or regenerate the book's traces")
     tsub = t.add_subparsers(dest="traces_command", required=True, parser_class=_Parser)
@@ -89,6 +98,7 @@ def _parser() -> _Parser:
     m = sub.add_parser("memory", help="cache bytes and roofline decode time of a model against a baseline")
     m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS), help="the model to price")
     m.add_argument("--baseline", default="all_mla_27", choices=sorted(PRESETS), help="the model to compare with")
+    _add_deployment(m)
 
     b = sub.add_parser("book", help="execute every chapter and render the book")
     b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
@@ -116,6 +126,7 @@ def _parser() -> _Parser:
     f.add_argument("--rate-scale", type=positive_float_arg, default=1.0, help="divide arrival times by X")
     f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
                    help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
+    _add_deployment(f)
     c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
                        description="Run KDA context-parallel on seeded inputs across the ranks of "
                                    "`mpiexec -n P python -m kimilab cp`, and one rank alone in the same run; "
@@ -158,6 +169,7 @@ def _failure(text: str) -> tuple[int, float]:
 
 def _fleet(args, parser) -> int:
     from kimilab.config import preset
+    from kimilab.costs import deployment
     from kimilab.fleet import run_fleet
     from kimilab.fleet.tenants import load_tenants
 
@@ -173,7 +185,8 @@ def _fleet(args, parser) -> int:
     if not requests:
         parser.error("the traces hold no requests")
     try:
-        result = run_fleet(requests, preset(args.model), instances=args.instances, router=args.router,
+        result = run_fleet(requests, preset(args.model), deployment=deployment(args.deployment),
+                           instances=args.instances, router=args.router,
                            capacity_tokens=args.capacity_tokens, isolation=args.isolation,
                            rate_scale=args.rate_scale, fails=args.fail)
     except (ValueError, RuntimeError) as err:
@@ -222,6 +235,7 @@ def _memory_bytes() -> int:
 
 def _prefix(args, parser) -> int:
     from kimilab.config import preset
+    from kimilab.costs import deployment
     from kimilab.prefix import HybridPrefixCache, RunPrefixCache, make_policy
     from kimilab.sim import simulate
     from kimilab.traffic import load_trace
@@ -243,11 +257,13 @@ def _prefix(args, parser) -> int:
     try:
         policy = make_policy(args.policy, **kwargs)
         if args.partial_blocks or any(r.tokens is not None for r in records):
-            cache = HybridPrefixCache.for_budget(preset(args.model), policy, block_size=args.block_size,
+            cache = HybridPrefixCache.for_budget(preset(args.model), policy, deployment=deployment(args.deployment),
+                                                 block_size=args.block_size,
                                                  capacity_tokens=args.capacity_tokens,
                                                  partial_blocks=args.partial_blocks)
         else:  # whole blocks keyed by hash ids: the run-length twin gives the same numbers, faster
-            cache = RunPrefixCache(preset(args.model), policy, block_size=args.block_size,
+            cache = RunPrefixCache(preset(args.model), policy, deployment=deployment(args.deployment),
+                                   block_size=args.block_size,
                                    capacity_tokens=args.capacity_tokens)
     except ValueError as err:
         parser.error(str(err))
@@ -282,7 +298,7 @@ def _memory(args) -> int:
     from kimilab import costs
     from kimilab.config import preset
 
-    for line in costs.summary(preset(args.model), preset(args.baseline)):
+    for line in costs.summary(preset(args.model), preset(args.baseline), costs.deployment(args.deployment)):
         print(line)
     return 0
 

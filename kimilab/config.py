@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 from kimilab.validate import check_int
 
-__all__ = ["CACHE_KINDS", "PAGE_KINDS", "WeightModel", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b", "all_mla_27", "gqa_8b"]
+__all__ = ["CACHE_KINDS", "PAGE_KINDS", "WeightModel", "ModelConfig", "PRESETS", "preset", "tiny", "kimi_linear_48b",
+           "all_mla_27", "gqa_8b", "qwen3_next_80b"]
 
 # The kinds of memory, named once for the whole package. A request holds the three
 # CACHE_KINDS; a pool page can also hold a prefix cache's state checkpoint or
@@ -294,8 +295,37 @@ gqa_8b = ModelConfig(
     notes="shapes only; GQA contrast",
 )
 
+# Qwen3-Next-80B-A3B: the closest public peer with published serving measurements (chapter 3
+# calibrates against them). 48 layers, every 4th full (gated GQA) attention: 16 query heads,
+# 2 KV heads of 256; 36 Gated DeltaNet layers whose state is 32 value heads of 128 x 128
+# (modelled as KDA-shaped: the same state bytes); 512 routed experts, 10 per token, plus one
+# shared expert. Parameter counts as published for the same architecture (Qwen3-Coder-Next:
+# 79,674,391,296 total, 3,874,929,408 active); bf16 weights, fp32 state (mamba_ssm_dtype).
+qwen3_next_80b = ModelConfig(
+    name="qwen3_next_80b",
+    layer_pattern="KKKA" * 12,
+    d_model=2048,
+    n_heads=32,
+    head_dim=128,
+    vocab_size=151936,
+    mlp_hidden=512,
+    attn_kind="gqa",
+    attn_heads=16,
+    attn_kv_heads=2,
+    attn_head_dim=256,
+    dtype="bfloat16",
+    kv_bytes=2,
+    state_bytes=4,
+    conv_bytes=2,
+    shapes_only=True,
+    weights=WeightModel(79.674e9, 3.875e9, n_routed_experts=512, routed_top_k=10, bytes_per_param=2,
+                        source="Qwen3-Next-80B-A3B architecture: 79.7B total, 3.9B active; 10 of 512 routed "
+                               "experts per token; bf16"),
+    notes="shapes only; a peer for calibration (Gated DeltaNet modelled with KDA's state shape)",
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    c.name: c for c in (tiny, kimi_linear_48b, all_mla_27, gqa_8b)
+    c.name: c for c in (tiny, kimi_linear_48b, all_mla_27, gqa_8b, qwen3_next_80b)
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.costs import CacheShapes
+from kimilab.costs import ONE_H200, CacheShapes
 from kimilab.model import Model
 from kimilab.traffic import load_trace
 
@@ -44,5 +44,5 @@ def agent_trace():
 
 @pytest.fixture(scope="session")
 def shapes_48b() -> CacheShapes:
-    """Per-request cache sizes of Kimi-Linear-48B."""
-    return CacheShapes.from_config(kimi_linear_48b)
+    """Per-request cache sizes of Kimi-Linear-48B, whole model (one device)."""
+    return CacheShapes.from_config(kimi_linear_48b, ONE_H200)

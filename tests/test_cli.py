@@ -10,7 +10,7 @@ import pytest
 from kimilab.__main__ import main
 from kimilab.traffic import Request, load_trace, write_trace
 
-KEYS = ["policy", "model", "block_size", "capacity_tokens", "capacity_pages", "checkpoint_pages",
+KEYS = ["policy", "model", "deployment", "block_size", "capacity_tokens", "capacity_pages", "checkpoint_pages",
         "kv_bytes_per_token", "checkpoint_bytes_each", "requests", "prompt_tokens", "kv_hit_tokens",
         "usable_hit_tokens", "recomputed_tokens", "kv_hit_rate", "usable_hit_rate", "checkpoints_admitted",
         "checkpoints_evicted", "kv_bytes_peak", "checkpoint_bytes_peak", "kv_bytes_mean",

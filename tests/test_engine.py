@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fuzzing import examples
 
 from kimilab.config import kimi_linear_48b
+from kimilab.costs import ONE_H200
 from kimilab.engine import Engine, FairQueue, Live
 from kimilab.fleet import Fleet, make_router, run_fleet
 from kimilab.fleet.tenants import merge_tenants
@@ -66,7 +67,7 @@ def _fleet_ok(fleet: Fleet) -> None:
     fail=st.booleans(), capacity_blocks=st.integers(45, 120))
 def test_conservation_and_no_leak(seed, n_inst, router, quota, fail, capacity_blocks):
     reqs = _trace(seed, 40, tenants=("a", "b") if quota else ("a",))
-    fleet = Fleet(kimi_linear_48b, n_inst, router, capacity_tokens=capacity_blocks * B,
+    fleet = Fleet(kimi_linear_48b, n_inst, router, deployment=ONE_H200, capacity_tokens=capacity_blocks * B,
                   isolation="quota" if quota else "none", tenants=["a", "b"], token_budget=2048)
     fails = [(0, 0.05)] if fail and n_inst > 1 else []
     gc.collect()
@@ -80,14 +81,14 @@ def test_conservation_and_no_leak(seed, n_inst, router, quota, fail, capacity_bl
 
 def test_preemption_and_chunking_are_exercised():
     reqs = _trace(3, 60, gap_ms=2, max_out=2000)
-    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", capacity_tokens=80 * B, token_budget=1024)
+    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=ONE_H200, capacity_tokens=80 * B, token_budget=1024)
     result = fleet.run(reqs)
     _check_conservation(result, reqs)
     _fleet_ok(fleet)
     assert result.preemptions > 0
     assert np.any(result.computed > result.input_tokens - result.usable_hit)  # preempted: recomputed
     assert result.usable_hit.sum() > 0
-    steps = Fleet(kimi_linear_48b, 1, "least-loaded", capacity_tokens=None, token_budget=1024, keep_steps=True)
+    steps = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=ONE_H200, capacity_tokens=None, token_budget=1024, keep_steps=True)
     steps.run(reqs[:5])
     rows = steps.instances[0].steps  # (start, dt, k, n_decode, prefill tokens)
     assert all(r[3] + r[4] <= 1024 for r in rows), "decodes and chunks share one token budget"
@@ -97,7 +98,7 @@ def test_preemption_and_chunking_are_exercised():
 
 def test_failure_reroutes_and_recomputes():
     reqs = _trace(5, 80, gap_ms=5)
-    fleet = Fleet(kimi_linear_48b, 3, "state-aware", capacity_tokens=None)
+    fleet = Fleet(kimi_linear_48b, 3, "state-aware", deployment=ONE_H200, capacity_tokens=None)
     result = fleet.run(reqs, fails=[(1, 0.1)])
     _check_conservation(result, reqs)
     _fleet_ok(fleet)
@@ -109,9 +110,9 @@ def test_failure_reroutes_and_recomputes():
 
 def test_deterministic():
     reqs = _trace(7, 60, tenants=("a", "b"))
-    a = run_fleet(reqs, kimi_linear_48b, instances=2, router="prefix-affinity", capacity_tokens=60 * B,
+    a = run_fleet(reqs, kimi_linear_48b, deployment=ONE_H200, instances=2, router="prefix-affinity", capacity_tokens=60 * B,
                   isolation="quota").summary()
-    b = run_fleet(reqs, kimi_linear_48b, instances=2, router="prefix-affinity", capacity_tokens=60 * B,
+    b = run_fleet(reqs, kimi_linear_48b, deployment=ONE_H200, instances=2, router="prefix-affinity", capacity_tokens=60 * B,
                   isolation="quota").summary()
     a.pop("run_wall_s"), b.pop("run_wall_s")
     assert a == b
@@ -123,7 +124,7 @@ def test_isolation_invariant():
     flood = [Request(i, i * 5, 6 * B, 20, hash_ids=tuple(range(10**6 + 10 * i, 10**6 + 10 * i + 6)), tenant="flood")
              for i in range(150)]
     reqs = merge_tenants([("quiet", quiet), ("flood", flood)])
-    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", capacity_tokens=120 * B, isolation="quota",
+    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=ONE_H200, capacity_tokens=120 * B, isolation="quota",
                   tenants=["quiet", "flood"])
     fleet.run(reqs)
     mem = fleet.instances[0].memory
@@ -150,8 +151,8 @@ def test_routers_and_errors():
     with pytest.raises(ValueError, match="router"):
         make_router("random")
     with pytest.raises(ValueError, match="isolation"):
-        Fleet(kimi_linear_48b, 2, "round-robin", capacity_tokens=None, isolation="strict")
-    e = Engine(kimi_linear_48b, capacity_tokens=4 * B)
+        Fleet(kimi_linear_48b, 2, "round-robin", deployment=ONE_H200, capacity_tokens=None, isolation="strict")
+    e = Engine(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=4 * B)
     e.submit(Live(Request(0, 0, 20 * B, 5, hash_ids=tuple(range(20))), 0.0))
     assert len(e.refused) == 1  # cannot fit even an empty pool
 
@@ -178,7 +179,7 @@ def test_a_request_starts_only_from_states_a_prefill_has_computed():
         for arrival_ms in (0, 10**6):
             a = Request(0, 0, 8 * 512, 4, hash_ids=ids)
             b = Request(1, arrival_ms, 9 * 512, 4, hash_ids=ids + (99,))
-            engine = Engine(kimi_linear_48b, capacity_tokens=None, token_budget=3000, policy=policy)
+            engine = Engine(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=None, token_budget=3000, policy=policy)
             submit(engine, [a, b])
             engine.drain()
             f = {x.request_id: x for x in engine.finished}[1]
@@ -196,7 +197,7 @@ def test_a_model_without_kda_layers_runs_and_reuses_every_cached_token(model):
 
     cfg = preset(model)
     reqs = _trace(7, 60, max_out=800)
-    e = Engine(cfg, capacity_tokens=40 * B, token_budget=2048)
+    e = Engine(cfg, deployment=ONE_H200, capacity_tokens=40 * B, token_budget=2048)
     assert e.memory.state_pages == 0 and e.policy == "kv-only"
     for r in reqs:
         e.advance(r.arrival_ms / 1000)
@@ -206,4 +207,4 @@ def test_a_model_without_kda_layers_runs_and_reuses_every_cached_token(model):
     assert len(e.finished) + len(e.refused) == len(reqs) and e.preemptions > 0
     assert all(f.usable_hit == f.kv_hit for f in e.finished) and sum(f.usable_hit for f in e.finished) > 0
     with pytest.raises(ValueError, match="policy='dual'.*no KDA"):
-        Engine(cfg, capacity_tokens=40 * B, policy="dual")
+        Engine(cfg, deployment=ONE_H200, capacity_tokens=40 * B, policy="dual")

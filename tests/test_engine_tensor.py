@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fuzzing import examples
 
 from kimilab.config import kimi_linear_48b, tiny
+from kimilab.costs import ONE_H200
 from kimilab.engine import Engine, Executor, Live, TensorExecutor, serve
 from kimilab.engine.tensor import submit
 from kimilab.model import Model
@@ -62,7 +63,7 @@ def _turn_two(rng, first: list, outputs: dict, t_ms: int) -> list:
 
 def _accounting(requests, **kw) -> Engine:
     """The same requests on the accounting engine (no executor: fast-forwarded decode)."""
-    e = Engine(tiny, **kw)
+    e = Engine(tiny, deployment=ONE_H200, **kw)
     submit(e, requests)
     e.drain()
     return e
@@ -84,7 +85,7 @@ def test_prefix_hits_and_chunked_prefill_are_exact(tiny_model, seed, block, budg
     first = _shared(rng, 5, block)
     assert min(r.input_length for r in first) > budget
     ex = TensorExecutor(tiny_model)
-    engine = Engine(tiny, capacity_tokens=None, executor=ex, **kw)
+    engine = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, executor=ex, **kw)
     submit(engine, first)
     engine.drain()
     second = _turn_two(rng, first, ex.outputs(), t_ms=10**6)  # after the first turn has drained
@@ -111,10 +112,10 @@ def test_preemption_recomputes_streamed_tokens_exactly(tiny_model, seed, block, 
     for i in range(n):
         p = rng.integers(0, tiny.vocab_size, int(rng.integers(1, block)))
         reqs.append(Request(i, 0, p.size, int(rng.integers(2 * block + 2, 3 * block + 1)), tokens=p))
-    probe = Engine(tiny, capacity_tokens=None, block_size=block)
+    probe = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, block_size=block)
     need = max(-(-(r.input_length + r.output_length + 1) // block) for r in reqs) + 3 * probe.memory.state_pages
     kw = dict(capacity_tokens=need * block, block_size=block, token_budget=4 * block)
-    engine, outputs = serve(tiny_model, reqs, **kw)
+    engine, outputs = serve(tiny_model, reqs, deployment=ONE_H200, **kw)
     assert not engine.refused
     _check_exact(tiny_model, engine, outputs, reqs)
     assert engine.preemptions > 0
@@ -133,12 +134,12 @@ def test_mixed_workloads_are_exact(tiny_model, seed, block, budget, spare, polic
     rng = np.random.default_rng(seed)
     reqs = [Request(r.request_id, int(rng.integers(0, 3)), r.input_length, r.output_length, tokens=r.tokens)
             for r in _shared(rng, 7, block, max_out=2 * block)]
-    probe = Engine(tiny, capacity_tokens=None, block_size=block)
+    probe = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, block_size=block)
     need = max(-(-(r.input_length + r.output_length + 1) // block) for r in reqs) + 3 * probe.memory.state_pages
     spare += policy == "every-block"  # a checkpoint per block: room for one more
     kw = dict(capacity_tokens=(need + spare * probe.memory.state_pages) * block, block_size=block,
               token_budget=budget, policy=policy)
-    engine, outputs = serve(tiny_model, reqs, **kw)
+    engine, outputs = serve(tiny_model, reqs, deployment=ONE_H200, **kw)
     _check_exact(tiny_model, engine, outputs, reqs)
     assert len(outputs) >= 2
     _same_decisions(engine, _accounting(reqs, **kw))
@@ -152,7 +153,7 @@ def test_a_refused_admission_leaves_no_checkpoint_behind(tiny_model):
     reqs = [Request(0, 0, 15, 30, tokens=rng.integers(0, tiny.vocab_size, 15)),  # holds the pool while decoding
             Request(1, 0, 20, 2, tokens=rng.integers(0, tiny.vocab_size, 20))]  # does not fit next to it at first
     kw = dict(capacity_tokens=34 * 8, block_size=8)
-    engine, outputs = serve(tiny_model, reqs, **kw)
+    engine, outputs = serve(tiny_model, reqs, deployment=ONE_H200, **kw)
     _check_exact(tiny_model, engine, outputs, reqs)
     assert {f.request_id: f.usable_hit for f in engine.finished} == {0: 0, 1: 0}
     assert engine.finished[-1].first_token_s > engine.finished[0].arrival_s, "request 1 waited"
@@ -178,10 +179,10 @@ def test_two_requests_leave_a_shared_in_flight_prefix_uncomputed(tiny_model, mon
     reqs = [Request(i, 0, 1, 60, tokens=rng.integers(0, tiny.vocab_size, 1)) for i in range(4)]
     reqs += [Request(4, 0, 17, 3, tokens=np.concatenate([head, [1]])),
              Request(5, 0, 18, 3, tokens=np.concatenate([head, [2, 3]]))]
-    probe = Engine(tiny, capacity_tokens=None, block_size=4)
+    probe = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, block_size=4)
     need = max(-(-(r.input_length + r.output_length + 1) // 4) for r in reqs) + 3 * probe.memory.state_pages
     kw = dict(capacity_tokens=need * 4, block_size=4, token_budget=7)
-    engine, outputs = serve(tiny_model, reqs, **kw)
+    engine, outputs = serve(tiny_model, reqs, deployment=ONE_H200, **kw)
     shared_then_last = [node for j, (node, holders) in enumerate(left) if holders > 1
                         and any(n is node and h == 1 for n, h in left[j + 1:])]
     assert shared_then_last, "B left A's in-flight block, then A left it uncomputed as its last holder"
@@ -205,10 +206,10 @@ def test_hooks_keep_accounting_results():
                             hash_ids=ids))
         t += int(rng.integers(0, 2))
     kw = dict(capacity_tokens=80 * 512, token_budget=1024)
-    plain = Engine(kimi_linear_48b, **kw)
+    plain = Engine(kimi_linear_48b, deployment=ONE_H200, **kw)
     submit(plain, reqs)
     plain.drain()
-    hooked = Engine(kimi_linear_48b, executor=Executor(), **kw)
+    hooked = Engine(kimi_linear_48b, deployment=ONE_H200, executor=Executor(), **kw)
     submit(hooked, reqs)
     hooked.drain()
     assert plain.preemptions > 0 and sum(f.usable_hit for f in plain.finished) > 0
@@ -216,7 +217,7 @@ def test_hooks_keep_accounting_results():
 
 
 def test_errors(tiny_model):
-    e = Engine(tiny, capacity_tokens=None, executor=TensorExecutor(tiny_model))
+    e = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, executor=TensorExecutor(tiny_model))
     with pytest.raises(ValueError, match="req.tokens"):
         e.submit(Live(Request(0, 0, 10, 2, hash_ids=(1,)), 0.0))
     with pytest.raises(ValueError, match="req.tokens"):
@@ -225,10 +226,10 @@ def test_errors(tiny_model):
     with pytest.raises(ValueError, match="request_id"):
         e.submit(Live(Request(2, 0, 2, 2, tokens=np.array([1, 2])), 0.0))
     with pytest.raises(ValueError, match="config"):
-        Engine(kimi_linear_48b, capacity_tokens=None, executor=TensorExecutor(tiny_model))
+        Engine(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=None, executor=TensorExecutor(tiny_model))
     with pytest.raises(ValueError, match="policy"):
-        Engine(tiny, capacity_tokens=None, policy="kv-only", executor=TensorExecutor(tiny_model))
+        Engine(tiny, deployment=ONE_H200, capacity_tokens=None, policy="kv-only", executor=TensorExecutor(tiny_model))
     with pytest.raises(ValueError, match="executor"):
-        Engine(tiny, capacity_tokens=None, executor=e.executor)
+        Engine(tiny, deployment=ONE_H200, capacity_tokens=None, executor=e.executor)
     with pytest.raises(ValueError, match="model"):
         TensorExecutor(tiny)

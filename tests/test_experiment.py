@@ -62,6 +62,7 @@ def test_reruns_agree_except_wall_clock():
 
 from kimilab.experiment import VARIANT_NAMES, cost_per_m_output, run_part_b  # noqa: E402
 from kimilab.experiment.scale import part_b_table  # noqa: E402
+from kimilab.costs import DEFAULT_DEPLOYMENT  # noqa: E402
 
 N_B = 300  # the real trace's first requests: a few seconds for every variant
 
@@ -78,7 +79,7 @@ def _strip_wall(obj):
 @pytest.fixture(scope="module")
 def part_b(tmp_path_factory):
     out = tmp_path_factory.mktemp("results_b")
-    return out, run_part_b(out, n_requests=N_B, instances=4, price_per_hour=3.0)
+    return out, run_part_b(out, deployment=DEFAULT_DEPLOYMENT, n_requests=N_B, instances=4, price_per_hour=3.0)
 
 
 def test_part_b_every_request_finishes_and_rates_are_rates(part_b):
@@ -129,20 +130,20 @@ def test_part_b_files_and_rerun_agree_except_wall_clock(part_b, tmp_path):
     table = (out / "part_b.md").read_text()
     assert table.startswith("| variant |") and "Assumptions:" in table and "per accelerator-hour" in table
     assert table == part_b_table(result) + "\n"
-    again = run_part_b(tmp_path, n_requests=N_B, instances=4, price_per_hour=3.0)
+    again = run_part_b(tmp_path, deployment=DEFAULT_DEPLOYMENT, n_requests=N_B, instances=4, price_per_hour=3.0)
     assert _strip_wall(json.loads((tmp_path / "part_b.json").read_text())) == _strip_wall(saved)
     assert _strip_wall(again) == _strip_wall(result)
 
 
 def test_part_b_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="variants"):
-        run_part_b(n_requests=10, variants=("baseline", "prefix:magic"))
+        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, variants=("baseline", "prefix:magic"))
     with pytest.raises(ValueError, match="instances"):
-        run_part_b(n_requests=10, instances=0)
+        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, instances=0)
     with pytest.raises(ValueError, match="price_per_hour"):
-        run_part_b(n_requests=10, price_per_hour=-1.0)
+        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, price_per_hour=-1.0)
     with pytest.raises(FileNotFoundError, match="trace"):
-        run_part_b(n_requests=10, trace=tmp_path / "missing.jsonl")
+        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, trace=tmp_path / "missing.jsonl")
 
 
 def test_experiment_cli_part_b(tmp_path, capsys):

@@ -58,15 +58,16 @@ def test_fleet_bad_trace_exit_2(tmp_path):
 def test_fleet_steps_on_the_deployment_it_is_given(traces):
     """The instances' step times come from ``deployment=``, not from the default node."""
     from kimilab.config import kimi_linear_48b
-    from kimilab.costs import DEFAULT_DEPLOYMENT, Deployment
+    from kimilab.costs import H800, VLLM_TP4_H200
     from kimilab.fleet import run_fleet
     from kimilab.traffic import load_trace
 
     reqs = load_trace(traces[0])
     kw = dict(instances=2, router="round-robin", capacity_tokens=None)
-    full = run_fleet(reqs, kimi_linear_48b, **kw)
-    half = run_fleet(reqs, kimi_linear_48b, deployment=Deployment(DEFAULT_DEPLOYMENT.device, 4), **kw)
-    assert full.summary()["tpot_p50_s"] < half.summary()["tpot_p50_s"]
+    h200 = run_fleet(reqs, kimi_linear_48b, deployment=VLLM_TP4_H200, **kw)
+    h800 = run_fleet(reqs, kimi_linear_48b, deployment=VLLM_TP4_H200.with_(name="tp4-h800", device=H800), **kw)
+    assert h200.summary()["tpot_p50_s"] < h800.summary()["tpot_p50_s"]  # the slower HBM shows
+    assert h200.summary()["deployment"] == "vllm-tp4-h200" and h800.summary()["deployment"] == "tp4-h800"
 
 
 def test_run_many_job_may_carry_its_own_requests():
@@ -79,7 +80,9 @@ def test_run_many_job_may_carry_its_own_requests():
 
     shared = [Request(i, 100 * i, 1024, 8, hash_ids=(i % 3, 10 + i)) for i in range(12)]
     own = [Request(i, 50 * i, 1536, 4, hash_ids=(0, 1, 20 + i)) for i in range(9)]
-    job = dict(instances=2, router="prefix-affinity", capacity_tokens=200_000)
+    from kimilab.costs import DEFAULT_DEPLOYMENT
+
+    job = dict(instances=2, router="prefix-affinity", capacity_tokens=200_000, deployment=DEFAULT_DEPLOYMENT)
     a, b = run_many(shared, [job, dict(job, requests=own)], workers=1)
     assert (a.requests, b.requests) == (12, 9)
     ref = run_fleet(own, kimi_linear_48b, **job)

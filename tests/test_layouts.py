@@ -3,10 +3,10 @@
 import pytest
 
 from kimilab import config
-from kimilab.costs import CacheShapes, vllm_hybrid_pages
+from kimilab.costs import ONE_H200, CacheShapes, vllm_hybrid_pages, vllm_pages_of
 from kimilab.pool import PoolExhausted, RequestAllocator, VllmPaddedPages
 
-S48 = CacheShapes.from_config(config.kimi_linear_48b)
+S48 = CacheShapes.from_config(config.kimi_linear_48b, ONE_H200)
 NEAR = config.tiny.with_(name="near", layer_pattern="KA" * 12 + "K")  # groups of 13, one padded slot
 CONFIGS = [config.kimi_linear_48b, config.tiny, NEAR]
 
@@ -14,9 +14,9 @@ CONFIGS = [config.kimi_linear_48b, config.tiny, NEAR]
 @pytest.mark.parametrize("align", [1, 16, 64])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
 def test_the_layout_is_the_costs_derivation(cfg, align):
-    shapes = CacheShapes.from_config(cfg)
-    p, layout = vllm_hybrid_pages(cfg, align_tokens=align), VllmPaddedPages(align_tokens=align)
-    assert layout.pages(shapes) == p == vllm_hybrid_pages(shapes, align_tokens=align)
+    shapes = CacheShapes.from_config(cfg, ONE_H200)
+    p, layout = vllm_hybrid_pages(cfg, ONE_H200, align_tokens=align), VllmPaddedPages(align_tokens=align)
+    assert layout.pages(shapes) == p == vllm_pages_of(shapes, align_tokens=align)
     assert layout.block_tokens(shapes) == p.block_tokens
     assert layout.page_bytes(shapes) == {"main": p.block_bytes}  # a pool page = one block id
     assert layout.kv_block_pages(shapes) == p.attn_groups
@@ -58,6 +58,6 @@ def test_the_pool_counts_block_ids_like_vllm():
 
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="needs both KDA and attention"):
-        VllmPaddedPages().block_tokens(CacheShapes.from_config(config.all_mla_27))
-    with pytest.raises(ValueError, match="tensor_parallel=8"):
-        vllm_hybrid_pages(S48, tensor_parallel=8)
+        VllmPaddedPages().block_tokens(CacheShapes.from_config(config.all_mla_27, ONE_H200))
+    with pytest.raises(ValueError, match="shapes: expected a kimilab.costs.CacheShapes"):
+        vllm_pages_of(config.kimi_linear_48b)

@@ -9,7 +9,7 @@ from fuzzing import examples
 
 from kimilab import config
 from kimilab.config import PAGE_KINDS
-from kimilab.costs import CacheShapes
+from kimilab.costs import ONE_H200, CacheShapes
 from kimilab.pool import (
     UNBOUNDED_PAGES, DoubleFree, ForeignHandle, JengaHandle, JengaPages, LcmPagePool, PagePool, PoolExhausted,
     RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages,
@@ -147,7 +147,7 @@ def test_an_unbounded_accounting_pool_costs_memory_for_what_it_holds():
 
 
 def test_policy_page_sizes_48b():
-    s = CacheShapes.from_config(config.kimi_linear_48b)
+    s = CacheShapes.from_config(config.kimi_linear_48b, ONE_H200)
     v = VllmPaddedPages()
     assert v.block_tokens(s) % 16 == 0
     layer_page = v.pages(s).page_bytes  # one layer's page; the pool's page is a block of 7 of them
@@ -169,7 +169,7 @@ def test_policy_page_sizes_48b():
 @pytest.mark.parametrize("policy", [UnifiedPages(), VllmPaddedPages(), JengaPages(), SplitPools(0.5)],
                          ids=lambda p: p.key)
 def test_request_allocator_is_all_or_nothing(policy):
-    s = CacheShapes.from_config(config.kimi_linear_48b)
+    s = CacheShapes.from_config(config.kimi_linear_48b, ONE_H200)
     alloc = RequestAllocator(policy, s, 2 * 2**30)
     admitted = []
     for rid in range(200):

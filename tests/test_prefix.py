@@ -7,7 +7,7 @@ from fuzzing import examples
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b, tiny
-from kimilab.costs import CacheCosts
+from kimilab.costs import ONE_H200, CacheCosts
 from kimilab.model import HybridCache, Model
 from kimilab.pool import UNBOUNDED_PAGES, PagePool
 from kimilab.prefix import (POLICIES, Align, Dual, Ends, EndsBranch, EveryBlock, HybridPrefixCache, KVOnly,
@@ -32,16 +32,16 @@ def records_from_paths(paths, shorts=None):
 
 
 def make_cache(policy, capacity_tokens=400, partial_blocks=False):
-    return HybridPrefixCache.for_budget(CFG, policy, block_size=BS, capacity_tokens=capacity_tokens,
-                                        partial_blocks=partial_blocks)
+    return HybridPrefixCache.for_budget(CFG, policy, deployment=ONE_H200, block_size=BS,
+                                        capacity_tokens=capacity_tokens, partial_blocks=partial_blocks)
 
 
 def test_budget_sizes_pages_from_costs():
-    cache = HybridPrefixCache.for_budget(CFG, Dual(), block_size=512, capacity_tokens=2**20)
-    assert cache.pool.n_pages == 2048 and cache.page_bytes == 512 * 8064 == 512 * costs.kv_bytes_per_token(CFG)
-    assert cache.checkpoint_pages == -(-costs.checkpoint_bytes(CFG) // (512 * 8064)) == 11
+    cache = HybridPrefixCache.for_budget(CFG, Dual(), deployment=ONE_H200, block_size=512, capacity_tokens=2**20)
+    assert cache.pool.n_pages == 2048 and cache.page_bytes == 512 * 8064 == 512 * costs.kv_bytes_per_token(CFG, ONE_H200)
+    assert cache.checkpoint_pages == -(-costs.checkpoint_bytes(CFG, ONE_H200) // (512 * 8064)) == 11
     assert make_cache(KVOnly()).checkpoint_pages == 0
-    unbounded = HybridPrefixCache.for_budget(CFG, Dual(), block_size=512, capacity_tokens=None)
+    unbounded = HybridPrefixCache.for_budget(CFG, Dual(), deployment=ONE_H200, block_size=512, capacity_tokens=None)
     assert unbounded.pool.n_pages == UNBOUNDED_PAGES and unbounded.capacity_tokens is None
 
 
@@ -55,7 +55,7 @@ def test_bad_arguments_name_what_is_expected():
     with pytest.raises(ValueError, match="alpha"):
         Dual(alpha=-1.0)
     with pytest.raises(ValueError, match="page_bytes"):
-        HybridPrefixCache(PagePool(4, 100, backed=False), BS, Dual(), CacheCosts.of(CFG))
+        HybridPrefixCache(PagePool(4, 100, backed=False), BS, Dual(), CacheCosts.of(CFG, ONE_H200))
     with pytest.raises(ValueError, match="kv-only"):
         ModelPrefixCache(Model(tiny, seed=0), "kv-only", block_size=BS, capacity_tokens=64)
 
@@ -206,7 +206,8 @@ def _cache_numbers(res):
 def test_ends_branch_is_dual_at_alpha_zero(agent_trace, capacity_tokens):
     """dual = ends+branch + alpha: with alpha 0 every hit, checkpoint and byte is the same."""
     runs = [simulate(agent_trace, keep_per_request=True, cache=HybridPrefixCache.for_budget(
-        CFG, policy, block_size=512, capacity_tokens=capacity_tokens)) for policy in (EndsBranch(), Dual(alpha=0.0))]
+        CFG, policy, deployment=ONE_H200, block_size=512, capacity_tokens=capacity_tokens))
+        for policy in (EndsBranch(), Dual(alpha=0.0))]
     assert _cache_numbers(runs[0]) == _cache_numbers(runs[1])
 
 
@@ -224,7 +225,7 @@ GOLDEN_AGENT_65536 = {
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_AGENT_65536))
 def test_replay_numbers_are_unchanged(agent_trace, name):
-    res = simulate(agent_trace, cache=HybridPrefixCache.for_budget(CFG, make_policy(name), block_size=512,
+    res = simulate(agent_trace, cache=HybridPrefixCache.for_budget(CFG, make_policy(name), deployment=ONE_H200, block_size=512,
                                                                     capacity_tokens=1 << 16))
     got = (res.kv_hit_tokens, res.usable_hit_tokens, res.checkpoints_admitted, res.checkpoints_evicted,
            res.kv_bytes_peak, res.checkpoint_bytes_peak)

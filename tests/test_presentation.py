@@ -51,12 +51,13 @@ def test_chapter1_exercise2_accepts_its_solution_and_rejects_wrong_ones():
     from kimilab import costs
     from kimilab.config import all_mla_27, kimi_linear_48b
 
-    expected = costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27)
+    one = costs.ONE_H200
+    expected = costs.device_weight_bytes(all_mla_27, one) / costs.kv_bytes_per_token(all_mla_27, one)
     rtol = 0.01  # the tolerance chapter 1's check uses
     assert checks.check(3.09e6, expected, name="ex2", rtol=rtol, verbose=False)
     assert checks.check(3_086_420, expected, name="ex2", rtol=rtol, verbose=False)
     assert not checks.check(96 * 2**30 / 31_104, expected, name="ex2", rtol=rtol, verbose=False)
-    hybrid = costs.weight_bytes(kimi_linear_48b) / costs.kv_bytes_per_token(kimi_linear_48b)
+    hybrid = costs.device_weight_bytes(kimi_linear_48b, one) / costs.kv_bytes_per_token(kimi_linear_48b, one)
     assert not checks.check(hybrid, expected, name="ex2", rtol=rtol, verbose=False)
 
 

@@ -6,6 +6,7 @@ from fuzzing import examples
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b
+from kimilab.costs import ONE_H200
 from kimilab.prefix import POLICIES, Ends, HybridPrefixCache, RunPrefixCache, make_policy
 from kimilab.sim import simulate
 from kimilab.traffic import MOONCAKE_CONVERSATION, Request, load_trace
@@ -63,8 +64,8 @@ def _policy(choice):
 
 
 def _both(choice, capacity_tokens):
-    return (HybridPrefixCache.for_budget(CFG, _policy(choice), block_size=BS, capacity_tokens=capacity_tokens),
-            RunPrefixCache(CFG, _policy(choice), block_size=BS, capacity_tokens=capacity_tokens))
+    kw = dict(deployment=ONE_H200, block_size=BS, capacity_tokens=capacity_tokens)
+    return HybridPrefixCache.for_budget(CFG, _policy(choice), **kw), RunPrefixCache(CFG, _policy(choice), **kw)
 
 
 @settings(max_examples=examples(150), deadline=None)
@@ -85,7 +86,7 @@ def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_bloc
 def test_the_real_trace_replays_identically(data_dir, choice, gb):
     """The first 4,000 requests of the Mooncake hour: every request's hits and checkpoints agree."""
     trace = load_trace(data_dir / MOONCAKE_CONVERSATION)[:4000]
-    capacity = int(gb * 1e9 // costs.kv_bytes_per_token(CFG))
+    capacity = int(gb * 1e9 // costs.kv_bytes_per_token(CFG, ONE_H200))
     results = [simulate(trace, cache=cache, keep_per_request=True) for cache in _both(choice, capacity)]
     assert results[0].per_request == results[1].per_request
     assert results[0].as_dict() | {"run_wall_s": 0} == results[1].as_dict() | {"run_wall_s": 0}
@@ -94,7 +95,7 @@ def test_the_real_trace_replays_identically(data_dir, choice, gb):
 @given(st.floats(0, 1e6), st.integers(1, 10**6), st.integers(1, 10**6))
 def test_built_in_policies_rank_leaves_without_checkpoints_by_last_use(t, end, blocks):
     """RunPrefixCache evicts a run's tail in one step only for policies that promise this."""
-    cache = RunPrefixCache(CFG, make_policy("dual"), block_size=BS, capacity_tokens=blocks * BS)
+    cache = RunPrefixCache(CFG, make_policy("dual"), deployment=ONE_H200, block_size=BS, capacity_tokens=blocks * BS)
     for name in POLICIES:
         policy = make_policy(name)
         assert policy.lru_leaves and policy.kv_priority(cache, t, end, False) == t
@@ -102,10 +103,10 @@ def test_built_in_policies_rank_leaves_without_checkpoints_by_last_use(t, end, b
 
 def test_bad_arguments_name_what_is_expected():
     with pytest.raises(ValueError, match="capacity_tokens"):
-        RunPrefixCache(CFG, make_policy("dual"), block_size=BS, capacity_tokens=BS - 1)
+        RunPrefixCache(CFG, make_policy("dual"), deployment=ONE_H200, block_size=BS, capacity_tokens=BS - 1)
     with pytest.raises(ValueError, match="policy"):
-        RunPrefixCache(CFG, "dual", block_size=BS, capacity_tokens=10 * BS)
-    cache = RunPrefixCache(CFG, make_policy("ends"), block_size=BS, capacity_tokens=10 * BS)
+        RunPrefixCache(CFG, "dual", deployment=ONE_H200, block_size=BS, capacity_tokens=10 * BS)
+    cache = RunPrefixCache(CFG, make_policy("ends"), deployment=ONE_H200, block_size=BS, capacity_tokens=10 * BS)
     with pytest.raises(ValueError, match="tokens"):
         cache.serve(tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="n_tokens"):
@@ -121,8 +122,8 @@ def test_coarser_blocks_only_round_hits_down(turns, new_block):
     fine = _requests(turns)
     coarse = coarser_blocks(fine, BS, new_block)
     assert [r.input_length for r in coarse] == [r.input_length for r in fine]
-    a = RunPrefixCache(CFG, make_policy("kv-only"), block_size=BS, capacity_tokens=None)
-    b = RunPrefixCache(CFG, make_policy("kv-only"), block_size=new_block, capacity_tokens=None)
+    a = RunPrefixCache(CFG, make_policy("kv-only"), deployment=ONE_H200, block_size=BS, capacity_tokens=None)
+    b = RunPrefixCache(CFG, make_policy("kv-only"), deployment=ONE_H200, block_size=new_block, capacity_tokens=None)
     longest = {}  # block id -> longest earlier prompt that holds it (equal ids: equal prefixes)
     for f, c in zip(fine, coarse):
         n = f.input_length

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from kimilab import config
-from kimilab.costs import CacheShapes
+from kimilab.costs import ONE_H200, CacheShapes
 from kimilab.pool import JengaPages, PagePool, PoolExhausted, RequestAllocator, SplitPools, UnifiedPages, VllmPaddedPages
 from kimilab.prefix import HybridPrefixCache, RadixTree, make_policy
 from kimilab.sim import simulate
 from kimilab.traffic import Request, load_trace, mixed_workload
 
-SHAPES = CacheShapes.from_config(config.kimi_linear_48b)
+SHAPES = CacheShapes.from_config(config.kimi_linear_48b, ONE_H200)
 POLICIES = [UnifiedPages(), VllmPaddedPages(), JengaPages(), SplitPools(0.9), SplitPools(4.0)]
 
 
@@ -135,7 +135,8 @@ def test_cache_and_memory_together_measure_each_as_alone(agent_trace):
     cfg = config.kimi_linear_48b
 
     def cache():
-        return HybridPrefixCache.for_budget(cfg, make_policy("dual"), block_size=512, capacity_tokens=200_000)
+        return HybridPrefixCache.for_budget(cfg, make_policy("dual"), deployment=ONE_H200, block_size=512,
+                                            capacity_tokens=200_000)
 
     def memory():
         return RequestAllocator(UnifiedPages(), SHAPES, 2**31)
@@ -171,15 +172,15 @@ def test_a_parallel_sweep_gives_the_serial_numbers(data_dir):
     from kimilab.sim import Replay, replay_many
 
     trace = str(data_dir / "agent.jsonl")
-    jobs = {(name, gb): Replay(trace, name, gb, options=opts)
+    jobs = {(name, gb): Replay(trace, name, gb, ONE_H200, options=opts)
             for name, opts in (("ends", ()), ("dual", (("alpha", 0.02),)))
             for gb in (1, 2)}
-    jobs["vllm", 2] = Replay(trace, "every-block", 2, block_size=1888)
+    jobs["vllm", 2] = Replay(trace, "every-block", 2, ONE_H200, block_size=1888)
     two, one = replay_many(jobs, workers=2), replay_many(jobs, workers=1)
     strip = {"run_wall_s": 0}
     assert {k: r.as_dict() | strip for k, r in two.items()} == {k: r.as_dict() | strip for k, r in one.items()}
     by_hand = simulate(load_trace(trace), cache=RunPrefixCache(
-        config.kimi_linear_48b, make_policy("dual", alpha=0.02), block_size=512,
+        config.kimi_linear_48b, make_policy("dual", alpha=0.02), deployment=ONE_H200, block_size=512,
         capacity_tokens=jobs["dual", 1].capacity_tokens()))
     assert two["dual", 1].as_dict() | strip == by_hand.as_dict() | strip
     with pytest.raises(ValueError, match="jobs"):

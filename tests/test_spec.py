@@ -118,12 +118,13 @@ def test_max_new_tokens_inside_a_window_and_zero(model):
 
 
 def test_rollback_bytes_match_the_cost_model(model):
-    from kimilab.costs import spec as spec_costs
+    from kimilab.costs import LOCAL, spec as spec_costs
+
     prompt = list(range(30))
     for name in EXACT:
         d = spec.ControlledDrafter(model, prompt, 12, 0.0)
         r = spec.speculative_generate(model, prompt, 4, d, 5, name)
-        assert r.steps[0].rollback_bytes == spec_costs.rollback_bytes(tiny, name, 5, act_bytes=8)
+        assert r.steps[0].rollback_bytes == spec_costs.rollback_bytes(tiny, LOCAL, name, 5, act_bytes=8)
 
 
 def test_ring_window_too_small_is_an_error(model):

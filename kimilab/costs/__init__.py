@@ -1,18 +1,23 @@
-"""The ONE analytic cost model: bytes, FLOPs and time for any ModelConfig (numbers only, no arrays).
+"""The ONE cost model: bytes, FLOPs and time for any ModelConfig on a named Deployment (numbers only).
 
-- :mod:`~kimilab.costs.hardware`: the assumed accelerator, deployments (TP or DP-attention),
-  and the weights a step reads;
-- :mod:`~kimilab.costs.cache_bytes`: bytes of each cache kind a request holds, and
-  :class:`CacheShapes`, the same sizes as one record for the page pool;
-- :mod:`~kimilab.costs.flops`: prefill and decode FLOPs, and :class:`CacheCosts`, what
-  a cached prefix costs and saves (for the prefix cache);
+- :mod:`~kimilab.costs.deployment`: :class:`Deployment`, the one object behind every byte and
+  every second (devices, attention and expert split, links, kernel efficiencies, per-layer
+  overhead, memory share), the calibrated :class:`Kernels`, and the named deployments;
+- :mod:`~kimilab.costs.hardware`: accelerators, links, and the weights a model has;
 - :mod:`~kimilab.costs.parallel`: what each device holds and does under TP vs DP-attention;
-- :mod:`~kimilab.costs.roofline`: the largest batch that fits, decode-step time, and
-  :func:`summary`, a hybrid-vs-baseline table (``python -m kimilab memory``);
-- :mod:`~kimilab.costs.prefill`: prefill seconds (and what a hit saves), checkpoint-copy seconds;
-- :mod:`~kimilab.costs.vllm_pages`: vLLM's hybrid page layout (block size, layer groups).
+- :mod:`~kimilab.costs.cache_bytes`: bytes of each cache kind per device, and :class:`CacheShapes`;
+- :mod:`~kimilab.costs.memory`: the cache budget per device, the pool's capacity, the batch that fits;
+- :mod:`~kimilab.costs.flops`: prefill and decode FLOPs (work, the same on any deployment), and
+  :class:`CacheCosts`, what a cached prefix costs and saves on one deployment;
+- :mod:`~kimilab.costs.steptime`: one forward pass of a batch -- step, decode and prefill seconds;
+- :mod:`~kimilab.costs.roofline`: decode operating points and :func:`summary` (``python -m kimilab memory``);
+- :mod:`~kimilab.costs.vllm_pages`: vLLM's hybrid page layout per device;
+- :mod:`~kimilab.costs.calibration`: the published measurements the kernels are fitted to;
+- :mod:`~kimilab.costs.spec`: speculative-decoding rollback bytes and time over batch.
 
-Everything is re-exported here: ``from kimilab import costs; costs.kv_bytes_per_token(cfg)``.
+Every function that returns bytes or seconds takes the deployment (no default), so no
+number can mix two deployments. Everything is re-exported here:
+``from kimilab import costs; costs.kv_bytes_per_token(cfg, costs.DEFAULT_DEPLOYMENT)``.
 """
 
 from kimilab.costs.cache_bytes import (
@@ -20,44 +25,52 @@ from kimilab.costs.cache_bytes import (
     crossover_tokens, kda_state_bytes, kda_state_bytes_per_layer, kv_bytes_per_token, kv_bytes_per_token_layer,
     request_bytes, request_total_bytes,
 )
-from kimilab.costs.flops import CacheCosts, decode_flops_per_token, linear_flops_per_token, prefill_flops
+from kimilab.costs.deployment import (
+    CALIBRATED, DEFAULT_DEPLOYMENT, DEPLOYMENTS, DP4_EP4_H200, LOCAL, ONE_H200, REPORT_TP8_H800, VLLM_TP4_H200,
+    VLLM_TP8_H200, Deployment, Kernels, deployment,
+)
+from kimilab.costs.flops import (
+    CacheCosts, attention_decode_flops, attention_prefill_flops, decode_flops_per_token, kda_decode_flops,
+    kda_prefill_flops, linear_flops_per_token, mixer_decode_flops, mixer_prefill_flops, prefill_flops,
+)
 from kimilab.costs.hardware import (
-    DEFAULT_DEPLOYMENT, H800_CLASS, HBM_BANDWIDTH_BYTES_PER_S, HBM_CAPACITY_BYTES, PEAK_BF16_FLOPS_PER_S,
-    PUBLISHED_WEIGHTS, Accelerator, Deployment, WeightModel, estimate_params, mixer_params, weight_bytes,
-    weight_bytes_read, weight_model,
+    CPU, H20, H200, H800, INFINIBAND_NDR, LOOPBACK, NVLINK_H100, Accelerator, Link, WeightModel, estimate_params,
+    mixer_params, weight_model,
 )
+from kimilab.costs.memory import cache_budget_bytes, capacity_tokens, max_batch
 from kimilab.costs.parallel import (
-    kv_rank_fraction, rank_flops, rank_weight_bytes, rank_weight_bytes_read, request_rank_bytes,
-    requests_on_busiest_rank, state_rank_fraction,
+    check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
+    requests_on_busiest_device, state_heads_per_device,
 )
-from kimilab.costs.prefill import (
-    PREFILL_EFFICIENCY, PrefillTimer, checkpoint_write_seconds, prefill_seconds, prefill_seconds_saved,
+from kimilab.costs.roofline import DecodePoint, decode_point, summary
+from kimilab.costs.steptime import (
+    StepTimer, StepWork, checkpoint_write_seconds, decode_step_seconds, prefill_chunks, prefill_seconds,
+    prefill_seconds_saved, step_seconds, step_work,
 )
-from kimilab.costs.roofline import (
-    DecodePoint, decode_bytes_per_token, decode_point, decode_rank_bytes, decode_step_bytes,
-    decode_step_seconds, max_batch, summary,
-)
-from kimilab.costs.vllm_pages import VllmHybridPages, vllm_hybrid_pages
+from kimilab.costs.vllm_pages import VllmHybridPages, vllm_hybrid_pages, vllm_pages_of
 
 __all__ = [
-    # hardware
-    "Accelerator", "Deployment", "WeightModel", "H800_CLASS", "HBM_BANDWIDTH_BYTES_PER_S",
-    "HBM_CAPACITY_BYTES", "PEAK_BF16_FLOPS_PER_S", "DEFAULT_DEPLOYMENT", "PUBLISHED_WEIGHTS",
-    "estimate_params", "mixer_params", "weight_model", "weight_bytes", "weight_bytes_read",
-    # cache bytes
+    # deployment and hardware
+    "Deployment", "Kernels", "CALIBRATED", "DEFAULT_DEPLOYMENT", "DEPLOYMENTS", "VLLM_TP4_H200", "VLLM_TP8_H200",
+    "DP4_EP4_H200", "ONE_H200", "REPORT_TP8_H800", "LOCAL", "deployment",
+    "Accelerator", "Link", "WeightModel", "H800", "H200", "H20", "CPU", "NVLINK_H100", "INFINIBAND_NDR", "LOOPBACK",
+    "estimate_params", "mixer_params", "weight_model",
+    # per device
+    "kv_heads_per_device", "state_heads_per_device", "requests_on_busiest_device", "device_weight_bytes",
+    "device_weight_bytes_read", "device_linear_flops",
+    # cache bytes per device
     "kv_bytes_per_token_layer", "kv_bytes_per_token", "kda_state_bytes_per_layer", "kda_state_bytes",
     "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes", "request_bytes",
     "request_total_bytes", "crossover_tokens", "cache_anatomy", "CacheShapes",
+    # memory
+    "cache_budget_bytes", "capacity_tokens", "max_batch",
     # FLOPs
-    "linear_flops_per_token", "prefill_flops", "decode_flops_per_token", "CacheCosts",
-    # per-device split (TP vs DP-attention)
-    "kv_rank_fraction", "state_rank_fraction", "request_rank_bytes", "requests_on_busiest_rank",
-    "rank_weight_bytes", "rank_weight_bytes_read", "rank_flops",
-    # roofline
-    "decode_step_bytes", "decode_bytes_per_token", "decode_rank_bytes", "decode_step_seconds", "max_batch",
+    "linear_flops_per_token", "prefill_flops", "attention_prefill_flops", "kda_prefill_flops", "mixer_prefill_flops",
+    "decode_flops_per_token", "attention_decode_flops", "kda_decode_flops", "mixer_decode_flops", "CacheCosts",
+    # time
+    "StepWork", "step_work", "step_seconds", "decode_step_seconds", "prefill_chunks", "prefill_seconds",
+    "prefill_seconds_saved", "checkpoint_write_seconds", "StepTimer",
     "DecodePoint", "decode_point", "summary",
-    # prefill time
-    "PREFILL_EFFICIENCY", "prefill_seconds", "prefill_seconds_saved", "checkpoint_write_seconds", "PrefillTimer",
     # vLLM's pages
-    "VllmHybridPages", "vllm_hybrid_pages",
+    "VllmHybridPages", "vllm_hybrid_pages", "vllm_pages_of",
 ]

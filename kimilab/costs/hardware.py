@@ -1,109 +1,84 @@
-"""The hardware and the weights a step must read: ASSUMED numbers, named so a reader can change them.
+"""Devices, links and weights: the parts a :class:`~kimilab.costs.deployment.Deployment` is built from.
 
-An :class:`Accelerator` is one device (HBM capacity, HBM bandwidth, peak FLOP/s); a
-:class:`Deployment` is n of them serving one replica, with attention split by tensor
-parallelism (``"tp"``) or data-parallel attention (``"dp"``). A
-:class:`~kimilab.config.WeightModel` (carried by the config, ``cfg.weights``) says how
-many parameters a model has and how many a step over B tokens touches (mixture of
-experts: the union of the routed experts the batch picks). The hardware figures are
-vendor data-sheet numbers for an H800-class accelerator taken as assumptions; nothing
-here was measured on a GPU.
+An :class:`Accelerator` is one device (HBM capacity, HBM bandwidth, dense bf16 peak
+FLOP/s): vendor data-sheet figures taken as given, never measured here. A :class:`Link`
+is what connects devices: per-collective latency and algorithm bandwidth, fitted in
+:mod:`kimilab.costs.calibration` from Vidur's measured NVLink all-reduces. A
+:class:`~kimilab.config.WeightModel` (carried by the config, ``cfg.weights``) says how many
+parameters a model has and how many a step over B tokens touches (mixture of experts:
+the union of the routed experts the batch picks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimilab.config import WeightModel, ModelConfig, all_mla_27, gqa_8b, kimi_linear_48b
+from kimilab.config import ModelConfig, WeightModel
 from kimilab.costs._check import check_config
-from kimilab.validate import check_int
 
 __all__ = [
-    "HBM_CAPACITY_BYTES", "HBM_BANDWIDTH_BYTES_PER_S", "PEAK_BF16_FLOPS_PER_S",
-    "Accelerator", "H800_CLASS", "Deployment", "DEFAULT_DEPLOYMENT",
-    "WeightModel", "PUBLISHED_WEIGHTS", "estimate_params", "mixer_params", "weight_model", "weight_bytes",
-    "weight_bytes_read",
+    "Accelerator", "H800", "H200", "H20", "CPU", "Link", "NVLINK_H100", "INFINIBAND_NDR", "LOOPBACK",
+    "WeightModel", "estimate_params", "mixer_params", "weight_model",
 ]
-
-# An H800/H100-SXM-class accelerator: 80 GB of HBM3 at ~3.35 TB/s, ~989 TFLOP/s dense
-# bf16. These are vendor data-sheet figures taken as ASSUMPTIONS; real kernels reach
-# only part of them, and we do not model the report's actual serving setup.
-HBM_CAPACITY_BYTES = 80e9
-HBM_BANDWIDTH_BYTES_PER_S = 3.35e12
-PEAK_BF16_FLOPS_PER_S = 989e12
 
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One device: HBM capacity (bytes), HBM bandwidth (bytes/s), peak FLOP/s."""
+    """One device: HBM capacity (bytes), HBM bandwidth (bytes/s), dense bf16 peak FLOP/s."""
 
     name: str
     hbm_bytes: float
     hbm_bandwidth: float
     peak_flops: float
+    source: str = ""
 
 
-H800_CLASS = Accelerator("H800-class (assumed)", HBM_CAPACITY_BYTES,
-                         HBM_BANDWIDTH_BYTES_PER_S, PEAK_BF16_FLOPS_PER_S)
-
-
-_ATTENTION_MODES = ("tp", "dp")
+H800 = Accelerator("H800 (H100-SXM class)", 80e9, 3.35e12, 989e12,
+                   source="NVIDIA H100 SXM data sheet (the H800 has the same HBM3 and FLOPs, a narrower NVLink)")
+H200 = Accelerator("H200 SXM", 141e9, 4.8e12, 989e12, source="NVIDIA H200 data sheet: 141 GB HBM3e at 4.8 TB/s")
+H20 = Accelerator("H20", 96e9, 4.0e12, 148e12, source="NVIDIA H20 data sheet: 96 GB HBM3 at 4.0 TB/s, 148 TFLOP/s")
+# The machine the reduced model runs on: its bytes are what the tests measure, its times are never modelled.
+CPU = Accelerator("this CPU", 0.0, 1.0, 1.0, source="the reduced model's arrays (bytes only)")
 
 
 @dataclass(frozen=True)
-class Deployment:
-    """n identical devices serving one model replica, and how attention is split over them.
+class Link:
+    """How devices talk: ``latency`` seconds per collective plus bytes / ``bandwidth``.
 
-    ``attention="tp"`` (tensor parallelism, vLLM's and SGLang's default with ``--tp n``):
-    every layer is split by heads. KDA states and the conv state shard by head, GQA/MHA KV
-    by KV head, but MLA has ONE latent KV head, so its latent cache is replicated on
-    every rank. ``attention="dp"`` (DP-attention, vLLM/SGLang's data-parallel attention):
-    each rank runs attention for its own requests and holds their whole caches, the
-    attention and KDA weights are replicated, and the rest (experts, MLP, embeddings)
-    is spread over the ranks. Idealised either way: weights not replicated are spread
-    evenly, experts are read evenly, no activation or workspace reserve, no
-    communication time. With one device the two modes are the same.
+    ``bandwidth`` is the algorithm ("bus") bandwidth of a ring collective, so an all-reduce
+    of m bytes over n devices takes latency + 2 (n - 1) / n * m / bandwidth.
     """
 
-    device: Accelerator = H800_CLASS
-    n_devices: int = 1
-    attention: str = "tp"
+    name: str
+    bandwidth: float
+    latency: float
+    source: str = ""
 
-    def __post_init__(self) -> None:
-        check_int("Deployment.n_devices", self.n_devices, 1)
-        if self.attention not in _ATTENTION_MODES:
-            raise ValueError(f"Deployment.attention={self.attention!r}: expected one of {_ATTENTION_MODES} "
-                             "(tensor-parallel or data-parallel attention)")
+    def all_reduce_seconds(self, nbytes: float, n: int) -> float:
+        """One all-reduce of ``nbytes`` over ``n`` devices (0 on one device)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + 2.0 * (n - 1) / n * nbytes / self.bandwidth
 
-    @property
-    def hbm_bytes(self) -> float:
-        return self.device.hbm_bytes * self.n_devices
+    def all_to_all_seconds(self, nbytes: float, n: int) -> float:
+        """One all-to-all in which each device sends ``nbytes`` spread over the others."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return self.latency + (n - 1) / n * nbytes / self.bandwidth
 
-    @property
-    def bandwidth(self) -> float:
-        return self.device.hbm_bandwidth * self.n_devices
-
-    @property
-    def peak_flops(self) -> float:
-        return self.device.peak_flops * self.n_devices
-
-    def with_attention(self, attention: str) -> "Deployment":
-        """The same devices with attention split the other way (``"tp"`` or ``"dp"``)."""
-        return Deployment(self.device, self.n_devices, attention)
+    def send_seconds(self, nbytes: float) -> float:
+        """One point-to-point message."""
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
 
-# 48B of bf16 weights (96 GB) do not fit one 80 GB device, so the default is one
-# 8-device node with tensor-parallel attention (an assumption; any n and mode work).
-DEFAULT_DEPLOYMENT = Deployment(H800_CLASS, 8)
-
-
-# Kept for callers that looked weights up by preset name; the weight model now lives on
-# the config (``cfg.weights``), so a renamed copy keeps it. Not consulted by weight_model().
-PUBLISHED_WEIGHTS: dict[str, WeightModel] = {
-    "kimi_linear_48b": kimi_linear_48b.weights,
-    "all_mla_27": all_mla_27.weights,
-    "gqa_8b": gqa_8b.weights,
-}
+# Fitted to Vidur's measured 4- and 8-GPU all-reduce medians on an H100 DGX (NVSwitch),
+# 2 KB to 64 MB (kimilab.costs.calibration.fit_link reproduces the numbers; a test checks).
+NVLINK_H100 = Link("NVLink/NVSwitch (H100 DGX)", 350e9, 30e-6,
+                   source="fit to Vidur's H100 DGX all-reduce medians (data/calibration/vidur_h100_all_reduce.csv)")
+# Between nodes: one 400 Gb/s NDR InfiniBand port per GPU (an assumption: data-sheet rate, a
+# typical per-message latency); used only when a deployment spans nodes.
+INFINIBAND_NDR = Link("InfiniBand NDR 400 Gb/s per GPU", 50e9, 10e-6, source="assumed: NDR data-sheet rate")
+LOOPBACK = Link("one device (no link)", float("inf"), 0.0, source="nothing to send")
 
 
 def _mixer_layer_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -126,7 +101,7 @@ def _mixer_layer_params(cfg: ModelConfig) -> tuple[int, int]:
 def mixer_params(cfg: ModelConfig) -> int:
     """Parameters of the token mixers (every KDA and global-attention layer), from shapes.
 
-    These are what DP-attention replicates on every rank. An estimate (projections, conv,
+    These are what DP-attention replicates on every device. An estimate (projections, conv,
     gates, norms as :func:`estimate_params` counts them), also for the 48B shapes.
     """
     check_config(cfg)
@@ -162,15 +137,3 @@ def weight_model(cfg: ModelConfig) -> WeightModel:
             "the shapes; give it one, e.g. cfg.with_(weights=kimilab.config.WeightModel(total, active, ...))")
     n = float(estimate_params(cfg))
     return WeightModel(n, n, bytes_per_param=cfg.itemsize, source="estimated from shapes (dense)")
-
-
-def weight_bytes(cfg: ModelConfig, weights: WeightModel | None = None) -> int:
-    """Bytes of all weights (what must fit in memory)."""
-    w = weights or weight_model(cfg)
-    return int(round(w.total_params * w.bytes_per_param))
-
-
-def weight_bytes_read(cfg: ModelConfig, batch: int = 1, weights: WeightModel | None = None) -> int:
-    """Weight bytes one step over ``batch`` tokens reads (active experts' union), whole replica."""
-    w = weights or weight_model(cfg)
-    return int(round(w.params_read(batch) * w.bytes_per_param))

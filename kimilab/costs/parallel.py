@@ -1,108 +1,94 @@
-"""What each device of a :class:`~kimilab.costs.hardware.Deployment` holds and does: TP vs DP-attention.
+"""What each device of a :class:`~kimilab.costs.deployment.Deployment` holds and does.
 
-One request's cache and the weights are not spread evenly over n devices; how they land
+One request's cache and the weights do not spread evenly over n devices; how they land
 depends on how attention is split (``deployment.attention``):
 
-- ``"tp"`` (tensor parallelism): every request lives on every rank, split by heads. KDA
-  states and conv states shard by KDA head; GQA/MHA KV by KV head (a rank holds at least
-  one, so with fewer KV heads than ranks they are replicated); MLA's latent is ONE shared
-  KV head, so every rank holds the whole latent cache of every request. All weights are
+- ``"tp"``: every request lives on every device, split by heads. KDA states and conv
+  states shard by KDA head; GQA/MHA KV by KV head (a device holds at least one: vLLM
+  replicates KV heads when there are fewer than devices); MLA's latent is ONE shared KV
+  head, so every device holds the whole latent cache of every request. All weights are
   spread evenly.
-- ``"dp"`` (DP-attention): each rank holds whole requests and runs their attention and KDA
-  layers itself; the mixer weights (:func:`~kimilab.costs.hardware.mixer_params`) are
-  replicated on every rank, the rest (experts, MLP, embeddings) is spread evenly.
+- ``"dp"``: each device holds whole requests and runs their attention and KDA layers
+  itself; the mixer weights (:func:`~kimilab.costs.hardware.mixer_params`) are replicated
+  on every device, the rest (experts, MLP, embeddings) is spread evenly.
 
-These functions give the bytes and FLOPs of the *busiest* rank, which sets a step's time.
+These give the *busiest* device's share, which sets a step's time and a device's memory.
 """
 
 from __future__ import annotations
 
 from kimilab.config import ModelConfig
 from kimilab.costs._check import check_config
-from kimilab.costs.cache_bytes import checkpoint_bytes, kv_bytes_per_token
-from kimilab.costs.hardware import Deployment, WeightModel, mixer_params, weight_bytes, weight_bytes_read, weight_model
+from kimilab.costs.deployment import Deployment
+from kimilab.costs.hardware import mixer_params, weight_model
 from kimilab.validate import check_int
 
-__all__ = [
-    "kv_rank_fraction", "state_rank_fraction", "request_rank_bytes", "requests_on_busiest_rank",
-    "rank_weight_bytes", "rank_weight_bytes_read", "rank_flops",
-]
+__all__ = ["check_pair", "kv_heads_per_device", "state_heads_per_device", "requests_on_busiest_device",
+           "device_weight_bytes", "device_weight_bytes_read", "device_linear_flops"]
 
 
-def _ceil_share(units: int, n: int) -> float:
-    """Fraction of ``units`` heads one of ``n`` ranks holds (at least one whole head)."""
-    return -(-units // n) / units
-
-
-def kv_rank_fraction(cfg: ModelConfig, deployment: Deployment) -> float:
-    """Fraction of a request's KV cache on each rank that holds the request.
-
-    TP: 1 / (KV heads per rank share); MLA has one latent head, so 1.0 (replicated).
-    DP: 1.0 (the one rank holding the request holds all of it).
-    """
+def check_pair(cfg: ModelConfig, deployment: Deployment) -> None:
+    """ValueError unless ``cfg`` is a ModelConfig and ``deployment`` a Deployment."""
     check_config(cfg)
-    if deployment.attention == "dp":
-        return 1.0
+    if not isinstance(deployment, Deployment):
+        raise ValueError(f"deployment: expected a kimilab.costs.Deployment, got {type(deployment).__name__}")
+
+
+def kv_heads_per_device(cfg: ModelConfig, deployment: Deployment) -> tuple[int, int]:
+    """(KV heads one device stores, KV heads in all): MLA's latent is one head, kept whole under TP."""
+    check_pair(cfg, deployment)
     heads = 1 if cfg.attn_kind == "mla" else cfg.attn_kv_heads_eff
-    return _ceil_share(heads, deployment.n_devices)
+    return (heads if deployment.tp == 1 else max(1, heads // deployment.tp)), heads
 
 
-def state_rank_fraction(cfg: ModelConfig, deployment: Deployment) -> float:
-    """Fraction of a request's KDA + conv states on each rank that holds it (TP: by KDA head)."""
-    check_config(cfg)
-    if deployment.attention == "dp":
-        return 1.0
-    return _ceil_share(cfg.n_heads, deployment.n_devices)
+def state_heads_per_device(cfg: ModelConfig, deployment: Deployment) -> tuple[int, int]:
+    """(KDA heads one device holds, KDA heads in all): TP splits them (at least one per device)."""
+    check_pair(cfg, deployment)
+    return -(-cfg.n_heads // deployment.tp), cfg.n_heads
 
 
-def request_rank_bytes(cfg: ModelConfig, context_len: int, deployment: Deployment) -> int:
-    """Cache bytes one request of ``context_len`` tokens occupies on a rank that holds it."""
-    L = check_int("context_len", context_len, 0, unit="tokens")
-    kv = L * kv_bytes_per_token(cfg) * kv_rank_fraction(cfg, deployment)
-    return int(round(kv + checkpoint_bytes(cfg) * state_rank_fraction(cfg, deployment)))
-
-
-def requests_on_busiest_rank(batch: int, deployment: Deployment) -> int:
-    """TP: every rank holds (a share of) every request; DP: requests are dealt out evenly."""
+def requests_on_busiest_device(batch: int, deployment: Deployment) -> int:
+    """TP: every device holds (a share of) every request; DP: requests are dealt out evenly."""
     batch = check_int("batch", batch, 0)
     return batch if deployment.attention == "tp" else -(-batch // deployment.n_devices)
 
 
-def _replicated_bytes(cfg: ModelConfig, deployment: Deployment, w: WeightModel) -> float:
-    """Weight bytes every rank holds in full: the mixers under DP-attention, none under TP."""
+def _replicated_params(cfg: ModelConfig, deployment: Deployment) -> float:
+    """Parameters every device holds in full: the mixers under DP-attention, none under TP."""
     if deployment.attention == "tp" or deployment.n_devices == 1:
         return 0.0
-    return min(float(mixer_params(cfg)), w.total_params) * w.bytes_per_param
+    return min(float(mixer_params(cfg)), weight_model(cfg).total_params)
 
 
-def rank_weight_bytes(cfg: ModelConfig, deployment: Deployment, weights: WeightModel | None = None) -> float:
-    """Weight bytes each rank must hold (spread evenly, mixers replicated under DP)."""
-    w = weights or weight_model(cfg)
-    rep = _replicated_bytes(cfg, deployment, w)
-    return rep + (weight_bytes(cfg, w) - rep) / deployment.n_devices
+def device_weight_bytes(cfg: ModelConfig, deployment: Deployment) -> float:
+    """Weight bytes each device must hold (spread evenly, mixers replicated under DP)."""
+    check_pair(cfg, deployment)
+    w = weight_model(cfg)
+    rep = _replicated_params(cfg, deployment)
+    return (rep + (w.total_params - rep) / deployment.n_devices) * w.bytes_per_param
 
 
-def rank_weight_bytes_read(cfg: ModelConfig, batch: int, deployment: Deployment,
-                           weights: WeightModel | None = None) -> float:
-    """Weight bytes the busiest rank reads in a step over ``batch`` tokens (experts read evenly)."""
-    w = weights or weight_model(cfg)
-    total = weight_bytes_read(cfg, batch, w)
-    rep = min(_replicated_bytes(cfg, deployment, w), total)
-    return rep + (total - rep) / deployment.n_devices
+def device_weight_bytes_read(cfg: ModelConfig, deployment: Deployment, tokens: int) -> float:
+    """Weight bytes the busiest device reads in a step over ``tokens`` tokens (the experts
+    those tokens route to, read once for the whole step; spread evenly)."""
+    check_pair(cfg, deployment)
+    w = weight_model(cfg)
+    read = w.params_read(max(1, tokens))
+    rep = min(_replicated_params(cfg, deployment), read)
+    return (rep + (read - rep) / deployment.n_devices) * w.bytes_per_param
 
 
-def rank_flops(cfg: ModelConfig, total_flops: float, n_tokens: int, busiest_tokens: int,
-               deployment: Deployment, weights: WeightModel | None = None) -> float:
-    """FLOPs of the busiest rank, for a step doing ``total_flops`` over ``n_tokens`` tokens.
+def device_linear_flops(cfg: ModelConfig, deployment: Deployment, tokens: int, busiest_tokens: int) -> float:
+    """Weight-matmul FLOPs of the busiest device: 2 per activated parameter per token.
 
-    TP splits everything evenly. Under DP the mixer part (mixer weights, attention pairs,
-    KDA, conv) of the ``busiest_tokens`` tokens the busiest rank owns stays on that rank;
-    the rest (experts, MLP, head: 2 FLOPs per activated non-mixer parameter) is spread.
+    TP splits them evenly. Under DP the mixer projections of the ``busiest_tokens`` tokens
+    that device owns stay on it; the rest (experts, MLP, head) is spread.
     """
+    check_pair(cfg, deployment)
+    w = weight_model(cfg)
     n = deployment.n_devices
-    if deployment.attention == "tp" or n == 1 or n_tokens == 0:
-        return total_flops / n
-    w = weights or weight_model(cfg)
-    spread_per_token = max(2.0 * (w.active_params - mixer_params(cfg)), 0.0)
-    mixer_per_token = total_flops / n_tokens - spread_per_token
-    return busiest_tokens * mixer_per_token + n_tokens * spread_per_token / n
+    total = 2.0 * w.active_params * tokens
+    if deployment.attention == "tp" or n == 1:
+        return total / n
+    mixer = 2.0 * min(float(mixer_params(cfg)), w.active_params)
+    return busiest_tokens * mixer + tokens * (2.0 * w.active_params - mixer) / n

@@ -21,9 +21,10 @@ group and 20 KDA layers in 3 groups (one layer padded). A request's state then t
 block in each KDA group -- 3 blocks, the price of 3 KV blocks -- where a whole-model
 checkpoint measured in 512-token KV blocks of all 7 MLA layers is 10.5 blocks.
 
-Sizes are per rank. Under tensor parallelism vLLM divides the KDA heads (and conv
-channels) by the TP size but keeps MLA's single latent head whole, so the block shrinks
-with TP (``tensor_parallel``).
+Sizes are per device of a :class:`~kimilab.costs.deployment.Deployment`. Under tensor
+parallelism vLLM divides the KDA heads (and conv channels) by the TP size but keeps MLA's
+single latent head whole, so the block shrinks with TP: ~1,888 tokens at TP1 or under
+DP-attention, 480 at TP4, 240 at TP8.
 
 The alignment is version- and backend-dependent: the commit cited aligns every backend to
 16 tokens (1,888 for Kimi-Linear-48B). Later versions (vLLM PR #24486, e.g. commit
@@ -33,7 +34,7 @@ kernel's chunk size; for this model each of those gives 1,920-token blocks
 (``align_tokens=64``). Everything else here is unchanged by it.
 
 The page pool (:class:`kimilab.pool.VllmPaddedPages`) takes its layout from here: call
-:func:`vllm_hybrid_pages` with a :class:`~kimilab.costs.CacheShapes` (tensor parallel 1).
+:func:`vllm_pages_of` with a :class:`~kimilab.costs.CacheShapes` (already per device).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from functools import lru_cache
 from kimilab.config import ModelConfig
 from kimilab.costs._check import check_config
 from kimilab.costs.cache_bytes import CacheShapes
+from kimilab.costs.deployment import Deployment
 from kimilab.validate import check_int
 
-__all__ = ["VllmHybridPages", "vllm_hybrid_pages"]
+__all__ = ["VllmHybridPages", "vllm_hybrid_pages", "vllm_pages_of"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -55,10 +57,10 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class VllmHybridPages:
-    """vLLM's page layout for one hybrid model (all byte counts per rank)."""
+    """vLLM's page layout for one hybrid model (all byte counts per device)."""
 
     align_tokens: int  # attention kernel's block-size multiple
-    tensor_parallel: int
+    tensor_parallel: int  # attention TP size of the deployment
     kv_token_bytes: int  # one attention layer, one token
     state_bytes: int  # one KDA layer's recurrent + conv state, unpadded
     block_tokens: int  # attention block size vLLM picks
@@ -120,33 +122,29 @@ class VllmHybridPages:
         return self.kv_blocks(n_tokens) + self.checkpoint_blocks
 
 
-def vllm_hybrid_pages(cfg: ModelConfig | CacheShapes, align_tokens: int = 16,
-                      tensor_parallel: int = 1) -> VllmHybridPages:
-    """Derive vLLM's hybrid page layout for ``cfg`` from its per-layer bytes (see the module doc).
+def vllm_hybrid_pages(cfg: ModelConfig, deployment: Deployment, align_tokens: int = 16) -> VllmHybridPages:
+    """Derive vLLM's hybrid page layout for ``cfg`` on one device of ``deployment`` (see the module doc).
 
-    ``cfg``: a :class:`~kimilab.config.ModelConfig`, or the :class:`~kimilab.costs.CacheShapes`
-    read off one (whole-model bytes, so ``tensor_parallel`` must be 1). ``align_tokens``: the
-    attention backend's block multiple (16 in the version cited; MLA backends of later versions
-    need 64, which gives 1,920-token blocks for Kimi-Linear-48B). ``tensor_parallel``: TP size;
-    KDA heads must divide by it. ValueError for a model without both layer kinds.
+    ``align_tokens``: the attention backend's block multiple (16 in the version cited; MLA
+    backends of later versions need 64, which gives 1,920-token blocks for Kimi-Linear-48B at
+    TP1). KDA heads must divide by the TP size. ValueError for a model without both layer kinds.
     """
-    align = check_int("align_tokens", align_tokens, 1, unit="tokens")
-    tp = check_int("tensor_parallel", tensor_parallel, 1)
-    if isinstance(cfg, CacheShapes):
-        if tp != 1:
-            raise ValueError(f"tensor_parallel={tp}: CacheShapes hold whole-model bytes; "
-                             "pass the ModelConfig to split them over ranks")
-        return _derive(cfg.name, cfg.kv_token_bytes, cfg.state_bytes + cfg.conv_bytes,
-                       cfg.n_attn_layers, cfg.n_kda_layers, align, tp)
     check_config(cfg)
-    n_attn, n_kda = len(cfg.attn_layers), len(cfg.kda_layers)
-    if n_kda and cfg.n_heads % tp:
-        raise ValueError(f"tensor_parallel={tp}: expected a divisor of the {cfg.n_heads} KDA heads")
-    kv_heads = 1 if cfg.attn_kind == "mla" else cfg.attn_kv_heads_eff  # vLLM: max(1, heads // tp) per rank
-    per_head = cfg.kv_elems_per_token_layer * cfg.kv_bytes // kv_heads
-    kv_token = max(1, kv_heads // tp) * per_head
-    state = (cfg.kda_state_elems_layer * cfg.state_bytes + cfg.conv_state_elems_layer * cfg.conv_bytes) // tp
-    return _derive(cfg.name, kv_token, state, n_attn, n_kda, align, tp)
+    if not isinstance(deployment, Deployment):
+        raise ValueError(f"deployment: expected a kimilab.costs.Deployment for cfg={cfg.name!r}, got {deployment!r}")
+    tp = deployment.tp
+    if cfg.kda_layers and cfg.n_heads % tp:
+        raise ValueError(f"deployment={deployment.name!r}: TP{tp} does not divide the {cfg.n_heads} KDA heads")
+    return vllm_pages_of(CacheShapes.from_config(cfg, deployment), align_tokens)
+
+
+def vllm_pages_of(shapes: CacheShapes, align_tokens: int = 16) -> VllmHybridPages:
+    """The same derivation from :class:`~kimilab.costs.CacheShapes` (already per device of one deployment)."""
+    if not isinstance(shapes, CacheShapes):
+        raise ValueError(f"shapes: expected a kimilab.costs.CacheShapes, got {type(shapes).__name__}")
+    align = check_int("align_tokens", align_tokens, 1, unit="tokens")
+    return _derive(shapes.name, shapes.kv_token_bytes, shapes.state_bytes + shapes.conv_bytes,
+                   shapes.n_attn_layers, shapes.n_kda_layers, align, shapes.tensor_parallel)
 
 
 @lru_cache(maxsize=256)

@@ -3,24 +3,19 @@
 Counted, not measured: bytes each rank sends, messages, and critical-path steps (the
 longest chain of messages one rank must wait for) for the three schemes of
 :data:`~kimilab.cp.kda_cp.SCHEMES`; ring attention's bytes for contrast. The GPU
-prediction is a roofline-style model on ASSUMED hardware (``kimilab.costs.hardware``
-device, an assumed link); nothing here ran on a GPU.
+prediction takes its device, link and KDA kernel efficiency from a
+:class:`~kimilab.costs.Deployment` (the calibrated one, chapter 3); nothing here ran on a GPU.
 """
 
 from __future__ import annotations
 
 import math
 
-from kimilab.costs.hardware import H800_CLASS, Accelerator
+from kimilab.costs import Deployment
 from kimilab.kda import chunk_kda_flops
 from kimilab.validate import check_int
 
-__all__ = ["scheme_costs", "ring_attention_bytes", "predicted_speedup", "LINK_BYTES_PER_S", "LINK_LATENCY_S",
-           "KERNEL_EFFICIENCY"]
-
-LINK_BYTES_PER_S = 450e9 / 2  # ASSUMED: one direction of an NVLink-class link
-LINK_LATENCY_S = 10e-6  # ASSUMED: one message's fixed cost between devices
-KERNEL_EFFICIENCY = 0.3  # ASSUMED: share of peak FLOP/s a chunked KDA kernel reaches
+__all__ = ["scheme_costs", "ring_attention_bytes", "predicted_speedup"]
 
 
 def scheme_costs(P: int, H: int, K: int, V: int, itemsize: int = 4) -> dict[str, dict[str, int]]:
@@ -49,18 +44,20 @@ def ring_attention_bytes(T: int, P: int, kv_bytes_per_token: int) -> int:
     return math.ceil(T / P) * (P - 1) * int(kv_bytes_per_token)
 
 
-def predicted_speedup(P: int, T: int, H: int, K: int, V: int, *, affine_cost: float = 1.25,
-                      device: Accelerator = H800_CLASS, itemsize: int = 2) -> float:
-    """One device's KDA prefill time over P devices' (balanced slices, all-gather), on assumed hardware.
+def predicted_speedup(P: int, T: int, H: int, K: int, V: int, *, deployment: Deployment,
+                      affine_cost: float = 1.25, itemsize: int = 2) -> float:
+    """One device's KDA prefill time over P devices' (balanced slices, all-gather), for devices, link
+    and KDA kernel efficiency as in ``deployment`` (the link between nodes once P passes a node).
 
     Rank 0 runs the plain pass, the others the affine pass at ``affine_cost`` times the
     work per token; slices are balanced so all finish together; then one all-gather.
     """
     P = check_int("P", P, 1)
-    rate = device.peak_flops * KERNEL_EFFICIENCY
+    rate = deployment.device.peak_flops * deployment.kernels.kda
+    link = deployment.intra_link if P <= deployment.devices_per_node else deployment.inter_link
     one = chunk_kda_flops(T, H, K, V) / rate
     share = T / (1 + (P - 1) / affine_cost)  # rank 0's tokens when w0 = affine_cost * w_r
     compute = chunk_kda_flops(max(1, round(share)), H, K, V) / rate
     c = scheme_costs(P, H, K, V, itemsize)["allgather"]
-    comm = c["steps"] * LINK_LATENCY_S + c["bytes"] / LINK_BYTES_PER_S
+    comm = c["steps"] * link.latency + c["bytes"] / link.bandwidth if P > 1 else 0.0
     return one / (compute + comm)

@@ -1,6 +1,7 @@
 """A continuous-batching serving engine on the hybrid cache (deterministic simulated time).
 
-* ``steptime``  StepTimer: one step's seconds from the ``costs`` roofline at real sizes
+Step times are :class:`kimilab.costs.StepTimer`'s: one forward pass per step on the engine's deployment.
+
 * ``memory``    InstanceMemory: one page pool for running requests and the prefix cache, tenant quotas
 * ``fairness``  FifoQueue and FairQueue (virtual token counters, after VTC)
 * ``live``      Live (a request being served) and Finished (what it measured)
@@ -12,8 +13,7 @@ from kimilab.engine.engine import Engine, prompt_of
 from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
-from kimilab.engine.steptime import StepTimer
 from kimilab.engine.tensor import Executor, TensorExecutor, serve
 
-__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory", "StepTimer",
+__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory",
            "Executor", "TensorExecutor", "serve"]

@@ -8,10 +8,13 @@ cache (its usable hit is where its prefill starts), takes pages for its live
 KDA/conv states and for its KV past the cached blocks, and grows one page at a
 time while decoding. When the pool is full (after evicting unpinned cache) the
 newest running request is preempted and later recomputed from its usable hit;
-a finished request unpins its blocks, which stay cached. Step times come from
-:class:`StepTimer` (the ``costs`` roofline at real sizes). Steps that only
-decode are fast-forwarded in one go until the next page boundary, finish or
-arrival, so traces of any length run in seconds.
+a finished request unpins its blocks, which stay cached. A step is ONE forward
+pass of its decodes and prefill chunks, timed by :class:`kimilab.costs.StepTimer`
+on the engine's :class:`~kimilab.costs.Deployment` (the weights read once, each
+request's KV and states once, communication and the per-layer overhead); pages are
+per device of that deployment. Steps that only decode are fast-forwarded in one go
+until the next page boundary, finish or arrival, so traces of any length run in
+seconds (the run of k steps is timed at its middle context).
 
 ``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every
 decision of this one loop -- admission, each step's chunks and decodes (a
@@ -26,11 +29,10 @@ import bisect
 import math
 
 from kimilab.config import ModelConfig
-from kimilab.costs import DEFAULT_DEPLOYMENT, Deployment
+from kimilab.costs import Deployment, StepTimer
 from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
-from kimilab.engine.steptime import StepTimer
 from kimilab.validate import check_int
 
 __all__ = ["Engine", "prompt_of"]
@@ -46,10 +48,9 @@ def prompt_of(req) -> dict:
 class Engine:
     """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``."""
 
-    def __init__(self, config: ModelConfig, *, capacity_tokens: int | None, block_size: int = 512,
-                 token_budget: int = 8192, max_batch: int = 256, policy: str | None = None,
-                 quotas: dict[str, float] | None = None, fair: bool = False,
-                 deployment: Deployment = DEFAULT_DEPLOYMENT, timer: StepTimer | None = None,
+    def __init__(self, config: ModelConfig, *, deployment: Deployment, capacity_tokens: int | None,
+                 block_size: int = 512, token_budget: int = 8192, max_batch: int = 256, policy: str | None = None,
+                 quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
@@ -57,9 +58,17 @@ class Engine:
         if policy is None:  # a transformer reuses every cached token: its states are free
             policy = "dual" if config.kda_layers else "kv-only"
         self.capacity_tokens, self.policy, self.quotas = capacity_tokens, policy, quotas
-        self.memory = InstanceMemory(config, block_size=block_size, capacity_tokens=capacity_tokens,
-                                     policy=policy, quotas=quotas)
+        if deployment.attention == "dp" and deployment.n_devices > 1:
+            raise ValueError(f"deployment={deployment.name!r}: an Engine models one attention group (tensor "
+                             "parallel); under DP-attention each device is an engine of its own (one device "
+                             "each, the experts' communication still shared)")
+        self.deployment = deployment
+        self.memory = InstanceMemory(config, deployment=deployment, block_size=block_size,
+                                     capacity_tokens=capacity_tokens, policy=policy, quotas=quotas)
         self.timer = timer or StepTimer(config, deployment)
+        if self.timer.deployment != deployment or self.timer.cfg != config:
+            raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
+                             f"expected {config.name} on {deployment.name}")
         self.queue = FairQueue() if fair else FifoQueue()
         self.index, self.bucket_s = index, bucket_s
         self.running: list[Live] = []
@@ -250,8 +259,9 @@ class Engine:
                 chunks.append((l, c))
                 budget -= c
         n_dec = len(decoders)
-        mean_ctx = sum(l.req.input_length + l.generated for l in decoders) / n_dec if n_dec else 0
-        dt = self.timer.decode(n_dec, mean_ctx) + sum(self.timer.chunk(c, l.done) for l, c in chunks)
+        ctx = sum(l.req.input_length + l.generated for l in decoders)
+        pieces = [(c, l.done) for l, c in chunks]
+        dt = self.timer.step(n_dec, ctx, pieces)  # one forward pass: decodes and chunks together
         k = 1
         if not chunks and (self._blocked or not len(queue)):  # nothing changes until an event: jump
             k = min(min(l.req.output_length - l.generated,
@@ -259,6 +269,8 @@ class Engine:
             if until != math.inf:
                 k = min(k, max(1, math.ceil((until - self.clock) / dt)))
             k = max(k, 1)
+            if k > 1:  # contexts grow by one a step: time the run at its middle context
+                dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
         if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
             self.executor.run(decoders, chunks, k)
         start = self.clock

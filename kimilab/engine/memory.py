@@ -13,6 +13,7 @@ pages it was left with, so the isolation invariant can be checked.
 from __future__ import annotations
 
 from kimilab.config import ModelConfig
+from kimilab.costs import Deployment
 from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
 from kimilab.prefix import HybridPrefixCache, make_policy
 from kimilab.prefix.hybrid import shared_costs
@@ -21,15 +22,19 @@ __all__ = ["InstanceMemory"]
 
 
 class InstanceMemory:
-    """A pool of ``capacity_tokens // block_size`` pages and the prefix cache(s) on it."""
+    """A pool of ``capacity_tokens // block_size`` pages and the prefix cache(s) on it.
 
-    def __init__(self, config: ModelConfig, *, block_size: int = 512, capacity_tokens: int | None,
-                 policy: str = "dual", quotas: dict[str, float] | None = None):
+    Sizes are per device of ``deployment``: a page is one block of KV on one device, and a
+    live request's states take ``state_pages`` of them (their share on one device).
+    """
+
+    def __init__(self, config: ModelConfig, *, deployment: Deployment, block_size: int = 512,
+                 capacity_tokens: int | None, policy: str = "dual", quotas: dict[str, float] | None = None):
         if not config.kda_layers and not make_policy(policy).free_states:
             raise ValueError(f"policy={policy!r} checkpoints KDA states, but config={config.name!r} has no KDA "
                              f"layer: use 'kv-only' (every cached token is usable)")
         self.config, self.block_size, self.policy_name = config, block_size, policy
-        costs = shared_costs(config)
+        costs = shared_costs(config, deployment)
         n_pages = UNBOUNDED_PAGES if capacity_tokens is None else max(1, capacity_tokens // block_size)
         self.pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token, backed=False, name="instance")
         self.costs = costs

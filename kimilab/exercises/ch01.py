@@ -7,15 +7,15 @@ from kimilab.exercises import exercise
 
 @exercise("1.1", "MHA bytes per token", hint="layers x 2 (K and V) x KV heads x head dim x 2 bytes (bf16).")
 def _():
-    return costs.kv_bytes_per_token(gqa_8b.with_(attn_kind="mha", attn_kv_heads=32))
+    return costs.kv_bytes_per_token(gqa_8b.with_(attn_kind="mha", attn_kv_heads=32), costs.ONE_H200)
 
 
 @exercise("1.2", "GQA cache of a 32k-token request", hint="KV bytes per token of gqa_8b times 32,768 tokens.")
 def _():
-    return costs.kv_bytes_per_token(gqa_8b) * 32768
+    return costs.kv_bytes_per_token(gqa_8b, costs.ONE_H200) * 32768
 
 
 @exercise("1.3", "cache = weights", rtol=0.01,
           hint="divide all_mla_27's weight bytes by its KV bytes per token (answers within 1% pass).")
 def _():
-    return costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27)
+    return costs.device_weight_bytes(all_mla_27, costs.ONE_H200) / costs.kv_bytes_per_token(all_mla_27, costs.ONE_H200)

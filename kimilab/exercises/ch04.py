@@ -21,10 +21,10 @@ def _():
 @exercise("4.2", "vLLM's block at 64-token alignment",
           hint="the smallest multiple of 64 tokens whose MLA page (tokens x 1,152 B) holds one KDA layer's states.")
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b, align_tokens=64).block_tokens
+    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200, align_tokens=64).block_tokens
 
 
 @exercise("4.3", "padding of one vLLM state page",
           hint="one layer's page (1,888 tokens x 1,152 B) minus one KDA layer's recurrent + conv state.")
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b).state_padding_bytes
+    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200).state_padding_bytes

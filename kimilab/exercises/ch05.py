@@ -18,7 +18,7 @@ def _():
 @exercise("5.2", "GB of 48B KV for a million cached tokens", rtol=1e-3,
           hint="costs.kv_bytes_per_token(kimi_linear_48b) x 1e6, in GB (1e9 bytes).")
 def _():
-    return costs.kv_bytes_per_token(kimi_linear_48b) * 1e6 / 1e9
+    return costs.kv_bytes_per_token(kimi_linear_48b, costs.ONE_H200) * 1e6 / 1e9
 
 
 @exercise("5.3", "the real trace's reuse ceiling", rtol=1e-3,

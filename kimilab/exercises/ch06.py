@@ -14,16 +14,16 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 @exercise("6.1", "checkpoint pages at 256-token blocks",
           hint="ceil(checkpoint_bytes / (256 x kv_bytes_per_token)); smaller pages, more of them.")
 def _():
-    return -(-costs.checkpoint_bytes(kimi_linear_48b) // (256 * costs.kv_bytes_per_token(kimi_linear_48b)))
+    return -(-costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200) // (256 * costs.kv_bytes_per_token(kimi_linear_48b, costs.ONE_H200)))
 
 
 @exercise("6.2", "checkpoints in 10 GB", hint="10e9 // costs.checkpoint_bytes(kimi_linear_48b): whole checkpoints.")
 def _():
-    return int(10e9 // costs.checkpoint_bytes(kimi_linear_48b))
+    return int(10e9 // costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200))
 
 
 @exercise("6.3", "ends at 20 GB on the real trace", rtol=2e-3,
           hint="replay the whole real trace with policy 'ends' at 20 GB (sim.Replay / sim.replay, or the chapter's "
                "runs) and take usable_hit_rate.")
 def _():
-    return replay(Replay(str(DATA / MOONCAKE_CONVERSATION), "ends", 20)).usable_hit_rate
+    return replay(Replay(str(DATA / MOONCAKE_CONVERSATION), "ends", 20, costs.ONE_H200)).usable_hit_rate

@@ -9,7 +9,7 @@ from kimilab.exercises import exercise
 @exercise("7.1", "snapshot MB at k=4", rtol=0.01,
           hint="k+1 positions are verified, each keeps one checkpoint: (k + 1) x checkpoint_bytes / 1e6.")
 def _():
-    return 5 * costs.checkpoint_bytes(kimi_linear_48b) / 1e6
+    return 5 * costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200) / 1e6
 
 
 @exercise("7.2", "tokens per verify step at alpha 0.6, k=4", rtol=1e-3,
@@ -21,4 +21,4 @@ def _():
 @exercise("7.3", "scratch pages of one snapshot step at k=8",
           hint="one slot per verified position (k+1), each ceil(checkpoint_bytes / page_bytes) pages.")
 def _():
-    return 9 * -(-costs.checkpoint_bytes(tiny) // 4096)
+    return 9 * -(-costs.checkpoint_bytes(tiny, costs.LOCAL) // 4096)

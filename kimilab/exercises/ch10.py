@@ -12,7 +12,7 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 @exercise("10.1", "one decode step", rtol=1e-6,
           hint="costs.decode_step_seconds(kimi_linear_48b, 8192, 64): seconds, on the default deployment.")
 def _():
-    return costs.decode_step_seconds(kimi_linear_48b, 8192, 64)
+    return costs.decode_step_seconds(kimi_linear_48b, costs.DEFAULT_DEPLOYMENT, 8192, 64)
 
 
 @exercise("10.2", "a tenant's reserved pages",
@@ -29,5 +29,5 @@ def _():
     from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
     reqs = load_trace(DATA / MOONCAKE_CONVERSATION)[:1000]
-    return run_fleet(reqs, kimi_linear_48b, instances=4, router="least-loaded",
+    return run_fleet(reqs, kimi_linear_48b, deployment=costs.DEFAULT_DEPLOYMENT, instances=4, router="least-loaded",
                      capacity_tokens=2_000_000).usable_hit_rate()

@@ -15,7 +15,7 @@ def _():
 @exercise("11.2", "snapshot scratch at k = 4",
           hint="k + 1 verified positions, one checkpoint (every KDA and conv state) each: costs.checkpoint_bytes.")
 def _():
-    return 5 * costs.checkpoint_bytes(tiny)
+    return 5 * costs.checkpoint_bytes(tiny, costs.LOCAL)
 
 
 @exercise("11.3", "tokens turn 2 computes under dual (agent)",

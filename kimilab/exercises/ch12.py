@@ -15,7 +15,7 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 
 @exercise("12.1", "the memory crossover", hint="costs.crossover_tokens(kimi_linear_48b, all_mla_27).")
 def _():
-    return costs.crossover_tokens(kimi_linear_48b, all_mla_27)
+    return costs.crossover_tokens(kimi_linear_48b, all_mla_27, costs.ONE_H200)
 
 
 @exercise("12.2", "tokens per verify step at acceptance 0.69, k = 4", rtol=1e-9,

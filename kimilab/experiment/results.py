@@ -102,7 +102,11 @@ def run(args) -> int:
         print(f"written: {Path(args.out) / 'part_a.json'}, {Path(args.out) / 'part_a.md'}")
         ok = all(r["same_tokens"] for r in result["rows"])
     if args.part in ("b", "all"):
-        result = run_part_b(args.out, n_requests=args.requests, instances=args.instances,
+        from kimilab.costs import deployment
+
+        dep = deployment(args.deployment)
+        print(f"deployment: {dep.describe()}")
+        result = run_part_b(args.out, deployment=dep, n_requests=args.requests, instances=args.instances,
                             capacity_tokens=args.capacity_tokens, price_per_hour=args.price)
         print(part_b_table(result))
         print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'}")
@@ -126,3 +130,7 @@ def add_arguments(parser) -> None:
                         help="part B: each instance's pool in tokens of KV")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,
                         help="part B: assumed dollars per accelerator-hour")
+    from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
+
+    parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT.name, choices=sorted(DEPLOYMENTS),
+                        help="part B: the deployment of each instance (pages, states and step times)")

@@ -79,22 +79,23 @@ def cost_per_m_output(accelerator_seconds: float, price_per_hour: float, output_
     return accelerator_seconds / 3600.0 * price_per_hour / max(int(output_tokens), 1) * 1e6
 
 
-def run_variant(requests, variant: Variant, *, instances: int, capacity_tokens: int, price_per_hour: float) -> dict:
+def run_variant(requests, variant: Variant, *, deployment: costs.Deployment, instances: int, capacity_tokens: int,
+                price_per_hour: float) -> dict:
     """Serve ``requests`` under one variant; one row of numbers (seconds are simulated unless named wall).
 
-    Each instance is ``costs.DEFAULT_DEPLOYMENT`` (the fleet's step timer uses it)."""
+    Each instance is one ``deployment``: its pages, states and step times."""
     from kimilab.fleet import run_fleet
 
     reqs = no_reuse(requests) if variant.policy is None else requests
     policy = variant.policy or "kv-only"  # with unique block ids no policy can hit: states never matter
     t0 = time.perf_counter()
-    res = run_fleet(reqs, kimi_linear_48b, instances=instances, router=variant.router,
+    res = run_fleet(reqs, kimi_linear_48b, deployment=deployment, instances=instances, router=variant.router,
                     capacity_tokens=capacity_tokens, policy=policy, block_size=BLOCK)
     wall = time.perf_counter() - t0
     s = res.summary()
     out_tok = int(res.output_tokens.sum())
     makespan = float((res.arrival_s + res.e2e_s).max()) if res.finished else 0.0  # the fleet is up from t = 0
-    devices = costs.DEFAULT_DEPLOYMENT.n_devices
+    devices = deployment.n_devices
     accel = instances * devices * makespan
     busy = float(res.busy_s.sum()) * devices
     return {
@@ -117,35 +118,36 @@ def run_variant(requests, variant: Variant, *, instances: int, capacity_tokens: 
     }
 
 
-def assumptions(*, instances: int, capacity_tokens: int, price_per_hour: float, n_requests: int, trace: str) -> dict:
+def assumptions(*, deployment: costs.Deployment, instances: int, capacity_tokens: int, price_per_hour: float,
+                n_requests: int, trace: str) -> dict:
     """What the estimate rests on, printed next to it."""
-    deployment = costs.DEFAULT_DEPLOYMENT
     cfg, dev = kimi_linear_48b, deployment.device
     return {
         "model": cfg.name, "trace": trace, "requests": n_requests, "arrivals": "the trace's own timestamps",
-        "instances": instances, "accelerator": dev.name, "accelerators_per_instance": deployment.n_devices,
+        "instances": instances, "deployment": deployment.describe(), "accelerator": dev.name,
+        "accelerators_per_instance": deployment.n_devices,
         "attention_split": deployment.attention, "hbm_gb_per_accelerator": dev.hbm_bytes / 1e9,
         "hbm_tb_per_s_per_accelerator": dev.hbm_bandwidth / 1e12, "peak_tflops_per_accelerator": dev.peak_flops / 1e12,
-        "prefill_efficiency": costs.PREFILL_EFFICIENCY,
+        "kernels": {k: getattr(deployment.kernels, k) for k in ("gemm", "attention", "kda", "bandwidth",
+                                                                 "layer_overhead_s")},
         "pool_tokens_per_instance": capacity_tokens,
-        "pool_gb_per_instance": round(capacity_tokens * costs.kv_bytes_per_token(cfg) / 1e9, 3),
+        "pool_gb_per_device": round(capacity_tokens * costs.kv_bytes_per_token(cfg, deployment) / 1e9, 3),
         "block_tokens": BLOCK, "price_usd_per_accelerator_hour": price_per_hour,
-        "notes": ["latencies are simulated seconds from the costs roofline, not measurements",
+        "notes": ["latencies are simulated seconds from the calibrated step model (chapter 3), not measurements",
                   "price is an assumption; every cost scales linearly with it",
                   "accelerator_seconds = instances x accelerators per instance x makespan (what a fixed fleet "
                   "rents); busy_accelerator_seconds counts only time an instance was stepping (a fleet sized "
                   "perfectly to its load)",
                   "throughput_tokens_per_s is output tokens over the makespan: at the trace's own timestamps it "
                   "is set by the arrivals; tokens_per_busy_accelerator_s is what the accelerators did while busy",
-                  "a step that both decodes and prefills reads the weights twice (the engine's StepTimer)",
                   "speculative decoding: Part A only (no batched TPOT model to plug into the engine)",
                   "drafting, networking, host overheads and failures are not modelled"],
     }
 
 
-def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, instances: int = 8,
-               capacity_tokens: int = 2_000_000, price_per_hour: float = 2.0, trace: Path | str | None = None,
-               variants=VARIANT_NAMES) -> dict:
+def run_part_b(out: Path | str | None = None, *, deployment: costs.Deployment, n_requests: int | None = None,
+               instances: int = 8, capacity_tokens: int = 2_000_000, price_per_hour: float = 2.0,
+               trace: Path | str | None = None, variants=VARIANT_NAMES) -> dict:
     """Part B on the real trace (its first ``n_requests``, or all); writes ``out/part_b.json`` and ``.md``."""
     instances = check_int("instances", instances, 1)
     capacity_tokens = check_int("capacity_tokens", capacity_tokens, 1, unit="tokens of KV per instance")
@@ -160,15 +162,15 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
     if n_requests is not None:
         requests = requests[:check_int("n_requests", n_requests, 1)]
     t0 = time.perf_counter()
-    rows = [run_variant(requests, v, instances=instances, capacity_tokens=capacity_tokens,
+    rows = [run_variant(requests, v, deployment=deployment, instances=instances, capacity_tokens=capacity_tokens,
                         price_per_hour=price_per_hour) for v in VARIANTS if v.name in variants]
     from kimilab.experiment.results import _version
 
     result = {
         "experiment": "part B: the ablation at Kimi-Linear-48B sizes on the real Mooncake conversation trace "
                       "(fleet simulator, simulated time)",
-        "config": assumptions(instances=instances, capacity_tokens=capacity_tokens, price_per_hour=price_per_hour,
-                              n_requests=len(requests), trace=path.name),
+        "config": assumptions(deployment=deployment, instances=instances, capacity_tokens=capacity_tokens,
+                              price_per_hour=price_per_hour, n_requests=len(requests), trace=path.name),
         "reuse_upper_bound": round(reuse_upper_bound(requests, BLOCK), 6),
         "kimilab": _version(),
         "rows": rows,
@@ -198,8 +200,8 @@ def part_b_table(result: dict) -> str:
                      f"| {r['cost_per_m_output_usd']:.2f} | {r['busy_cost_per_m_output_usd']:.3f} |")
     lines += ["", f"Assumptions: {c['requests']:,} requests of {c['trace']} at {c['arrivals']}; {c['instances']} "
               f"instances of {c['accelerators_per_instance']} x {c['accelerator']} ({c['attention_split']} attention); "
-              f"a pool of {c['pool_tokens_per_instance']:,} tokens of KV ({c['pool_gb_per_instance']:g} GB) per "
-              f"instance; ${c['price_usd_per_accelerator_hour']:g} per accelerator-hour. Infinite-cache hit-rate "
+              f"a pool of {c['pool_tokens_per_instance']:,} tokens of KV ({c['pool_gb_per_device']:g} GB per "
+              f"device) per instance; ${c['price_usd_per_accelerator_hour']:g} per accelerator-hour. Infinite-cache hit-rate "
               f"ceiling of these requests: {result['reuse_upper_bound']:.3f}."]
     lines += [f"- {n}" for n in c["notes"]]
     return "\n".join(lines)

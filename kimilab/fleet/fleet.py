@@ -14,8 +14,8 @@ import time
 from typing import Sequence
 
 from kimilab.config import ModelConfig
-from kimilab.costs import DEFAULT_DEPLOYMENT
-from kimilab.engine import Engine, Live, StepTimer
+from kimilab.costs import Deployment, StepTimer
+from kimilab.engine import Engine, Live
 from kimilab.fleet.result import FleetResult
 from kimilab.fleet.routers import make_router
 from kimilab.gcpause import gc_paused
@@ -29,8 +29,9 @@ ISOLATION = ("none", "quota")
 class Fleet:
     """``n`` identical instances behind one router."""
 
-    def __init__(self, config: ModelConfig, n: int, router: str, *, capacity_tokens: int | None,
-                 isolation: str = "none", tenants: Sequence[str] = (), reserve: float = 0.5, **engine_kw):
+    def __init__(self, config: ModelConfig, n: int, router: str, *, deployment: Deployment,
+                 capacity_tokens: int | None, isolation: str = "none", tenants: Sequence[str] = (),
+                 reserve: float = 0.5, **engine_kw):
         n = check_int("instances", n, 1)
         if isolation not in ISOLATION:
             raise ValueError(f"isolation={isolation!r}: expected one of {ISOLATION}")
@@ -41,8 +42,9 @@ class Fleet:
             tenants = list(dict.fromkeys(tenants)) or ["default"]
             quotas = {t: reserve / len(tenants) for t in tenants}
         # one timer (its memo of step times) shared by the instances, on their deployment
-        timer = StepTimer(config, engine_kw.get("deployment", DEFAULT_DEPLOYMENT))
-        self.instances = [Engine(config, capacity_tokens=capacity_tokens, quotas=quotas,
+        timer = StepTimer(config, deployment)
+        self.deployment = deployment
+        self.instances = [Engine(config, deployment=deployment, capacity_tokens=capacity_tokens, quotas=quotas,
                                  fair=isolation == "quota", timer=timer, index=i, **engine_kw) for i in range(n)]
         self.failures: list[tuple[int, float]] = []
 
@@ -97,11 +99,11 @@ class Fleet:
             return FleetResult.of(self, len(requests), time.perf_counter() - start)
 
 
-def run_fleet(requests: Sequence, config: ModelConfig, *, instances: int, router: str,
+def run_fleet(requests: Sequence, config: ModelConfig, *, deployment: Deployment, instances: int, router: str,
               capacity_tokens: int | None, isolation: str = "none", rate_scale: float = 1.0,
               fails: Sequence[tuple[int, float]] = (), **engine_kw) -> FleetResult:
     """One fleet run (the CLI's ``fleet`` command, and the chapter's experiments)."""
     tenants = [r.tenant for r in requests]
-    fleet = Fleet(config, instances, router, capacity_tokens=capacity_tokens, isolation=isolation,
-                  tenants=tenants, **engine_kw)
+    fleet = Fleet(config, instances, router, deployment=deployment, capacity_tokens=capacity_tokens,
+                  isolation=isolation, tenants=tenants, **engine_kw)
     return fleet.run(requests, rate_scale=rate_scale, fails=fails)

@@ -20,6 +20,7 @@ class FleetResult:
 
     router: str
     isolation: str
+    deployment: str
     requests: int
     n_instances: int
     tenant: np.ndarray
@@ -52,7 +53,7 @@ class FleetResult:
         for e in fleet.instances:
             for b, s in e.busy.items():
                 busy[e.index, b] = s
-        return cls(fleet.router.name, fleet.isolation, n_requests, len(fleet.instances),
+        return cls(fleet.router.name, fleet.isolation, fleet.deployment.name, n_requests, len(fleet.instances),
                    np.array([f.tenant for f in done], dtype=object), col(lambda f: f.instance, int),
                    col(lambda f: f.arrival_s), col(lambda f: f.ttft), col(lambda f: f.tpot), col(lambda f: f.e2e),
                    col(lambda f: f.input_length, int), col(lambda f: f.output_length, int),
@@ -99,7 +100,8 @@ class FleetResult:
 
     def summary(self) -> dict:
         """The fleet CLI's JSON object (fixed key order)."""
-        out = {"router": self.router, "isolation": self.isolation, "requests": self.requests,
+        out = {"router": self.router, "isolation": self.isolation, "deployment": self.deployment,
+               "requests": self.requests,
                "finished": self.finished, "refused": self.refused}
         lat = self._latency(slice(None))
         del lat["requests"]

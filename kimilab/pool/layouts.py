@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from kimilab.config import CACHE_KINDS
-from kimilab.costs import CacheShapes, VllmHybridPages, vllm_hybrid_pages
+from kimilab.costs import CacheShapes, VllmHybridPages, vllm_pages_of
 from kimilab.pool.jenga import LcmPagePool
 from kimilab.pool.pages import PagePool
 from kimilab.validate import check_int
@@ -169,7 +169,7 @@ class VllmPaddedPages(PageLayout):
 
     def pages(self, shapes: CacheShapes) -> VllmHybridPages:
         """The derived layout (block size, layer groups, padding) for these shapes."""
-        return vllm_hybrid_pages(shapes, self.align_tokens)
+        return vllm_pages_of(shapes, self.align_tokens)
 
     def block_tokens(self, shapes):
         return self.pages(shapes).block_tokens

@@ -4,7 +4,8 @@ A hybrid model can reuse a cached prefix only where it has BOTH the KV of every
 global layer for the whole prefix (cheap, cached per block in a
 :class:`kimilab.prefix.radix.RadixTree`) AND a checkpoint of every KDA and conv
 state at exactly that position (expensive: at 48B scale one checkpoint weighs as
-much as ~10 KV pages of 512 tokens). The *usable hit* of a request is the deepest
+much as ~10 KV pages of 512 tokens on one device, ~2.6 at TP4: every size is per device
+of the deployment the cache is built for). The *usable hit* of a request is the deepest
 position where both exist; the model recomputes everything after it.
 
 Both kinds of memory come out of one :class:`kimilab.pool.PagePool`, so a
@@ -17,7 +18,7 @@ import heapq
 from dataclasses import dataclass
 
 from kimilab.config import ModelConfig
-from kimilab.costs import CacheCosts
+from kimilab.costs import CacheCosts, Deployment
 from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
 from kimilab.validate import check_int
 from kimilab.prefix.policies import Placement, Policy, check_interval
@@ -30,12 +31,13 @@ __all__ = ["Checkpoint", "Outcome", "HybridPrefixCache"]
 _COSTS: dict = {}
 
 
-def shared_costs(config: ModelConfig) -> CacheCosts:
-    """One CacheCosts per config for every budgeted cache, so its FLOP memo outlives one replay
-    (a sweep replays the same prompt lengths at every capacity and policy)."""
-    costs = _COSTS.get(config)
+def shared_costs(config: ModelConfig, deployment: Deployment) -> CacheCosts:
+    """One CacheCosts per (config, deployment) for every budgeted cache, so its FLOP memo outlives
+    one replay (a sweep replays the same prompt lengths at every capacity and policy)."""
+    key = (config, deployment)
+    costs = _COSTS.get(key)
     if costs is None:
-        costs = _COSTS[config] = CacheCosts.of(config)
+        costs = _COSTS[key] = CacheCosts.of(config, deployment)
     return costs
 
 
@@ -115,9 +117,10 @@ class HybridPrefixCache:
         self.checkpoints_evicted = 0
 
     @classmethod
-    def for_budget(cls, config: ModelConfig, policy: Policy, *, block_size: int,
+    def for_budget(cls, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
                    capacity_tokens: int | None, partial_blocks: bool = False) -> "HybridPrefixCache":
-        """A cache over an accounting-only pool of ``capacity_tokens // block_size`` pages.
+        """A cache over an accounting-only pool of ``capacity_tokens // block_size`` pages, sized in
+        bytes per device of ``deployment`` (a page: one block of KV on one device).
 
         ``capacity_tokens=None`` means no limit: nothing is ever evicted, and memory
         grows only with what is cached.
@@ -133,7 +136,7 @@ class HybridPrefixCache:
                     f"(block_size={block_size})"
                 )
             n_pages = min(capacity_tokens // block_size, UNBOUNDED_PAGES)
-        costs = shared_costs(config)
+        costs = shared_costs(config, deployment)
         pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token,
                         backed=False, name=f"prefix-{policy.name}")
         cache = cls(pool, block_size, policy, costs, partial_blocks=partial_blocks)

@@ -3,12 +3,11 @@
 Replaying a real trace through :class:`~kimilab.prefix.hybrid.HybridPrefixCache`
 creates and evicts one tree node per 512-token block -- about 240,000 of each for
 the Mooncake conversation hour -- and that Python work, not the cache logic, is
-what a replay costs. Most of those blocks sit in chains nobody branches from: a
-request's new suffix, used once. :class:`RunPrefixCache` keeps such a chain as
-ONE node (a *run*: blocks at depths ``lo..hi``, all stamped and pinned together),
-splits a run only where a later prompt stops or branches inside it, and evicts a
-run's tail block by block with the same ranks and the same tie-breaking as the
-block tree.
+what a replay costs. Most of those blocks sit in chains nobody branches from (a
+request's new suffix, used once): :class:`RunPrefixCache` keeps such a chain as ONE
+node (a *run*: blocks at depths ``lo..hi``, stamped and pinned together), splits a
+run only where a later prompt stops or branches inside it, and evicts a run's tail
+block by block with the block tree's ranks and tie-breaking.
 
 It is a *twin*, not a second design: the same policies (:mod:`kimilab.prefix.policies`),
 the same clock, the same heaps of checkpoints, and a test holds every request's
@@ -23,6 +22,7 @@ import bisect
 import heapq
 
 from kimilab.config import ModelConfig
+from kimilab.costs import Deployment
 from kimilab.pool.pages import UNBOUNDED_PAGES, PageCount
 from kimilab.prefix.blocks import split_prompt
 from kimilab.prefix.hybrid import Outcome, shared_costs
@@ -64,7 +64,8 @@ class _Checkpoint:
 class RunPrefixCache:
     """Accounting-only hybrid prefix cache over runs of blocks; results equal :class:`HybridPrefixCache`'s."""
 
-    def __init__(self, config: ModelConfig, policy: Policy, *, block_size: int, capacity_tokens: int | None):
+    def __init__(self, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
+                 capacity_tokens: int | None):
         if not isinstance(policy, Policy):
             raise ValueError(f"policy: expected a kimilab.prefix.Policy, got {type(policy).__name__}")
         self.block_size = block_size = check_int("block_size", block_size, 1, unit="tokens")
@@ -78,7 +79,7 @@ class RunPrefixCache:
                                  f"(block_size={block_size})")
             n_pages = min(capacity_tokens // block_size, UNBOUNDED_PAGES)
         self.capacity_tokens = capacity_tokens
-        self.costs = costs = shared_costs(config)
+        self.costs = costs = shared_costs(config, deployment)
         self.pool = PageCount(n_pages, block_size * costs.kv_bytes_per_token)
         self.policy = policy
         self.checkpoint_pages = 0 if policy.free_states else -(-costs.checkpoint_bytes // self.pool.page_bytes)

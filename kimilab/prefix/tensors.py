@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kimilab.costs import CacheCosts
+from kimilab.costs import LOCAL, CacheCosts
 from kimilab.model.cache import StateCheckpoint
 from kimilab.pool.pages import PagePool
 from kimilab.pool.paged_cache import PagedHybridCache
@@ -82,7 +82,7 @@ class ModelPrefixCache:
         cfg = model.config
         block_size = check_int("block_size", block_size, 1, unit="tokens")
         capacity_tokens = check_int("capacity_tokens", capacity_tokens, block_size, unit="tokens")
-        costs = CacheCosts.of(cfg)
+        costs = CacheCosts.of(cfg, LOCAL)  # the reduced model's own arrays: one device
         n_attn = len(cfg.attn_layers)
         if n_attn == 0:
             raise ValueError(f"model.config={cfg.name!r} has no global layer: nothing to page per block")

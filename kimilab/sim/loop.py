@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kimilab.costs import CacheCosts, PrefillTimer
+from kimilab.costs import CacheCosts, StepTimer
 from kimilab.pool.handles import PoolExhausted
 from kimilab.pool.pages import UNBOUNDED_PAGES
 from kimilab.sim.result import SimResult
@@ -66,7 +66,7 @@ class _Live:
         return self.tokens + max(0, step - self.start)
 
 
-_TIMERS: dict = {}  # config -> PrefillTimer, shared by every replay (a sweep repeats prompt lengths)
+_TIMERS: dict = {}  # (config, deployment) -> StepTimer, shared by every replay (a sweep repeats prompt lengths)
 
 
 class _CacheMeter:
@@ -83,11 +83,12 @@ class _CacheMeter:
                                       None if res.capacity_pages is None else res.capacity_pages * cache.block_size)
         if self.costs is not None:
             res.policy, res.model = cache.policy.name, self.costs.config.name
+            res.deployment = self.costs.deployment.name
             res.checkpoint_pages = cache.checkpoint_pages
             res.kv_bytes_per_token, res.checkpoint_bytes_each = (self.costs.kv_bytes_per_token,
                                                                   self.costs.checkpoint_bytes)
-            config = self.costs.config
-            self.timer = _TIMERS.get(config) or _TIMERS.setdefault(config, PrefillTimer(config))
+            key = (self.costs.config, self.costs.deployment)
+            self.timer = _TIMERS.get(key) or _TIMERS.setdefault(key, StepTimer(*key))
 
     def arrive(self, index: int, req) -> None:
         n = req.input_length
@@ -105,9 +106,9 @@ class _CacheMeter:
         if self.costs is not None:
             res.prefill_flops_cold += self.costs.prefill_flops(n)
             res.prefill_flops += self.costs.prefill_flops(n - out.usable_hit, out.usable_hit)
-            cold = self.timer.seconds(n)
+            cold = self.timer.prefill(n)
             res.prefill_seconds_cold += cold
-            res.prefill_seconds += self.timer.seconds(n - out.usable_hit, out.usable_hit) if out.usable_hit else cold
+            res.prefill_seconds += self.timer.prefill(n - out.usable_hit, out.usable_hit) if out.usable_hit else cold
         kv, ck = self.cache.kv_pages, self.cache.checkpoint_pages_used
         self.kv_sum += kv
         self.ck_sum += ck

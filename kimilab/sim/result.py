@@ -24,6 +24,7 @@ class SimResult:
     # ----- the prefix cache (zero when the run had none) -----
     policy: str = ""  # checkpoint policy of the prefix cache ("" = none)
     model: str = ""
+    deployment: str = ""  # the deployment every byte (per device) and second is priced on
     block_size: int = 0
     capacity_tokens: int | None = 0  # None: unbounded
     capacity_pages: int | None = 0
@@ -36,7 +37,7 @@ class SimResult:
     usable_hit_tokens: int = 0
     prefill_flops_cold: int = 0
     prefill_flops: int = 0
-    prefill_seconds_cold: float = 0.0  # roofline prefill time of every prompt from scratch (costs.PrefillTimer)
+    prefill_seconds_cold: float = 0.0  # prefill time of every prompt from scratch, alone (costs.StepTimer)
     prefill_seconds: float = 0.0  # ... and from each request's usable hit
     checkpoints_admitted: int = 0
     checkpoints_evicted: int = 0
@@ -82,7 +83,7 @@ class SimResult:
 
     @property
     def prefill_ms_saved_per_request(self) -> float:
-        """Mean prefill (TTFT) milliseconds the usable hits saved per request, on the roofline of costs."""
+        """Mean prefill (TTFT) milliseconds the usable hits saved per request, on the cache's deployment."""
         return 1e3 * (self.prefill_seconds_cold - self.prefill_seconds) / self.requests if self.requests else 0.0
 
     def as_dict(self) -> dict:
@@ -92,6 +93,7 @@ class SimResult:
         return {
             "policy": self.policy,
             "model": self.model,
+            "deployment": self.deployment,
             "block_size": self.block_size,
             "capacity_tokens": "inf" if unbounded else self.capacity_tokens,
             "capacity_pages": "inf" if unbounded else self.capacity_pages,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimilab.config import preset
-from kimilab.costs import kv_bytes_per_token
+from kimilab.costs import Deployment, kv_bytes_per_token
 from kimilab.prefix import RunPrefixCache, make_policy
 from kimilab.sim.loop import simulate
 from kimilab.sim.result import SimResult
@@ -28,7 +28,8 @@ __all__ = ["Replay", "replay", "replay_many"]
 
 @dataclass(frozen=True)
 class Replay:
-    """One replay: a Mooncake-format trace, a policy, a memory size in GB of the model's KV bytes.
+    """One replay: a Mooncake-format trace, a policy, and a memory size in GB per device of
+    ``deployment`` (what the cache may hold on each device; its pages are per-device KV blocks).
 
     ``block_size`` is the cache's block; when it is larger than the trace's own
     (``trace_block``, Mooncake's 512), the trace is re-keyed with
@@ -38,13 +39,14 @@ class Replay:
     trace: str
     policy: str
     gb: float
+    deployment: Deployment
     options: tuple = field(default=())  # policy keyword arguments as (name, value) pairs
     block_size: int = 512
     trace_block: int = 512
     model: str = "kimi_linear_48b"
 
     def capacity_tokens(self) -> int:
-        return int(self.gb * 1e9 // kv_bytes_per_token(preset(self.model)))
+        return int(self.gb * 1e9 // kv_bytes_per_token(preset(self.model), self.deployment))
 
 
 _TRACES: dict = {}  # (path, trace block, cache block) -> records, per process
@@ -66,7 +68,8 @@ def replay(job: Replay) -> SimResult:
     check_float("gb", job.gb, minimum=0.0)
     check_int("block_size", job.block_size, 1)
     cache = RunPrefixCache(preset(job.model), make_policy(job.policy, **dict(job.options)),
-                           block_size=job.block_size, capacity_tokens=job.capacity_tokens())
+                           deployment=job.deployment, block_size=job.block_size,
+                           capacity_tokens=job.capacity_tokens())
     return simulate(_records(job), cache=cache, label=job.policy)
 
 
