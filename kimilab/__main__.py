@@ -94,6 +94,11 @@ def _parser() -> _Parser:
     st.add_argument("--block-size", type=positive_int_arg, default=512, help="tokens per hash block")
     rg = tsub.add_parser("regenerate", help="write the book's generated traces into DIR")
     rg.add_argument("directory", metavar="DIR")
+    cc = tsub.add_parser("convert-claude-code", help="convert the Claude Code agent sessions into the book's form",
+                         description="Convert kv-cache-tester's trace_*.json.gz sessions into one 512-token-block "
+                                     "file (what data/claude_code_sessions.jsonl.gz is), byte for byte.")
+    cc.add_argument("source", metavar="SOURCE_DIR", help="the folder of trace_*.json.gz files")
+    cc.add_argument("out", metavar="OUT.jsonl.gz")
 
     m = sub.add_parser("memory", help="cache bytes and roofline decode time of a model against a baseline")
     m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS), help="the model to price")
@@ -277,6 +282,17 @@ def _prefix(args, parser) -> int:
 def _traces(args, parser) -> int:
     from kimilab.traffic import format_stats, load_trace, regenerate, trace_stats
 
+    if args.traces_command == "convert-claude-code":
+        from kimilab.traffic.claude_code import convert, write_sessions
+
+        try:
+            rows = convert(args.source)
+        except (ValueError, OSError, KeyError) as err:
+            parser.error(f"{args.source}: {err}")
+        path = write_sessions(rows, args.out)
+        print(f"wrote {path} ({len(rows)} requests, {len({r.session for r in rows})} sessions, "
+              f"{path.stat().st_size} bytes)")
+        return 0
     if args.traces_command == "regenerate":
         try:
             paths = regenerate(args.directory)

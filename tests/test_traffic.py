@@ -405,3 +405,54 @@ def test_zipf_prefixes_skew_moves_only_the_prefixes():
 def test_zipf_prefixes_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         wl.zipf_prefixes(**kwargs)
+
+
+# ----- real agent traffic: the Claude Code sessions -----------------------------------------
+
+CLAUDE_SOURCE = DATA.parent.parent / "shared" / "traces" / "claude-code"
+
+
+def test_the_claude_code_sessions_are_shipped_converted_with_their_licence():
+    """data/claude_code_sessions.jsonl.gz: the registry's sha256, 80 sessions, 5,668 requests,
+    one id per 512 tokens; a session's prompts reuse ~96% of their tokens at infinite cache."""
+    import hashlib
+
+    from kimilab.traffic import CLAUDE_CODE, CLAUDE_CODE_SOURCE, load_sessions
+
+    path = DATA / CLAUDE_CODE
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == CLAUDE_CODE_SOURCE["sha256"]
+    assert (DATA / "LICENSE-claude-code-APACHE").read_text().lstrip().startswith("Apache License")
+    readme = (DATA / "README.md").read_text()
+    assert CLAUDE_CODE in readme and CLAUDE_CODE_SOURCE["sha256"] in readme and CLAUDE_CODE_SOURCE["commit"] in readme
+    rows = load_sessions(path)
+    assert len(rows) == CLAUDE_CODE_SOURCE["requests"] and len({r.session for r in rows}) == CLAUDE_CODE_SOURCE["sessions"]
+    seen, hit, total = set(), 0, 0
+    for r in sorted(rows, key=lambda r: (r.session, r.t_ms)):
+        k = next((i for i, h in enumerate(r.hash_ids) if h not in seen), len(r.hash_ids))
+        hit, total = hit + min(512 * k, r.input_length), total + r.input_length
+        seen.update(r.hash_ids)
+    assert 0.95 < hit / total < 0.97
+
+
+@pytest.mark.skipif(not CLAUDE_SOURCE.is_dir(), reason="the original sessions are not on this machine")
+def test_the_claude_code_conversion_is_reproducible_byte_for_byte(tmp_path):
+    from kimilab.__main__ import main
+    from kimilab.traffic import CLAUDE_CODE
+
+    assert main(["traces", "convert-claude-code", str(CLAUDE_SOURCE), str(tmp_path / "cc.jsonl.gz")]) == 0
+    assert (tmp_path / "cc.jsonl.gz").read_bytes() == (DATA / CLAUDE_CODE).read_bytes()
+
+
+def test_agent_sessions_on_a_poisson_timeline():
+    from kimilab.traffic import CLAUDE_CODE, agent_requests, load_sessions
+
+    rows = load_sessions(DATA / CLAUDE_CODE)
+    a, b = agent_requests(rows, 0.05, seed=1), agent_requests(rows, 0.05, seed=1)
+    assert [(r.arrival_ms, r.hash_ids) for r in a] == [(r.arrival_ms, r.hash_ids) for r in b]
+    assert len(a) == len(rows) and [r.request_id for r in a] == list(range(len(a)))
+    assert all(x.arrival_ms <= y.arrival_ms for x, y in zip(a, a[1:]))
+    twice = agent_requests(rows, 0.05, seed=1, n_sessions=160)
+    first = {h for r in twice if r.session < 80 for h in r.hash_ids}
+    assert len(twice) == 2 * len(rows) and not first & {h for r in twice if r.session >= 80 for h in r.hash_ids}
+    with pytest.raises(ValueError, match="sessions_per_s"):
+        agent_requests(rows, 0.0)

@@ -8,8 +8,12 @@ Modules, in the order data flows:
 * :mod:`~kimilab.traffic.trace`      — Mooncake jsonl export / load / validation, trace statistics
 * :mod:`~kimilab.traffic.datasets`   — the traces in ``data/``: the real one (``REAL_TRACES``), the
   generated ones (``DATASETS``) and :func:`regenerate`
+* :mod:`~kimilab.traffic.claude_code` — real agent sessions (Claude Code) in 512-token blocks, and the
+  arrival process that puts them on one timeline
 """
 
+from kimilab.traffic.claude_code import (CLAUDE_CODE, CLAUDE_CODE_SOURCE, SessionRequest, agent_requests,
+                                         load_sessions)
 from kimilab.traffic.datasets import DATASETS, MOONCAKE_CONVERSATION, REAL_TRACES, regenerate
 from kimilab.traffic.generators import (agent_loops, chat_sessions, document_qa, mixed_workload,
                                         mooncake_conversation_like, zipf_prefixes)
@@ -39,4 +43,5 @@ __all__ = [
     "REAL_TRACES",
     "MOONCAKE_CONVERSATION",
     "regenerate",
+    "CLAUDE_CODE", "CLAUDE_CODE_SOURCE", "SessionRequest", "agent_requests", "load_sessions",
 ]
