@@ -19,7 +19,7 @@ LAYERS = {
     "config": 0, "validate": 0, "timing": 0, "gcpause": 0, "tokenizer": 0, "plots": 0, "notebook": 0,
     "ops": 1,
     "kda": 2, "traffic": 2,
-    "costs": 3,
+    "costs": 3, "recall": 3,
     "model": 4,
     "pool": 5,
     "prefix": 6,
