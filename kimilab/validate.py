@@ -52,37 +52,29 @@ def check_choice(name: str, value, choices: Iterable):
 
 
 # The same checks as argparse ``type=`` functions (the command lines' one-line errors).
+def _number_arg(text: str, convert, noun: str, ok, expected: str):
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text if convert is float else value} must be {expected}")
+    return value
+
+
 def positive_int_arg(text: str) -> int:
     """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive int")
-    return value
+    return _number_arg(text, int, "an int", lambda v: v > 0, "a positive int")
 
 
 def positive_float_arg(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
-    return value
+    return _number_arg(text, float, "a number", lambda v: 0 < v < math.inf, "a positive finite number")
 
 
 def nonnegative_float_arg(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return value
+    return _number_arg(text, float, "a number", lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):

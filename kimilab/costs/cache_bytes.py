@@ -34,10 +34,25 @@ __all__ = [
 ]
 
 
+def _layer_bytes(elems: int, heads: tuple[int, int], itemsize: int) -> int:
+    """Bytes one device holds of a layer's ``elems`` elements, split evenly over ``heads = (mine, all)``."""
+    mine, total = heads
+    return elems // total * mine * itemsize
+
+
 def kv_bytes_per_token_layer(cfg: ModelConfig, deployment: Deployment) -> int:
     """Bytes one global layer stores per token on one device (K+V of its KV heads, or MLA's latent)."""
-    mine, heads = kv_heads_per_device(cfg, deployment)
-    return cfg.kv_elems_per_token_layer // heads * mine * cfg.kv_bytes
+    return _layer_bytes(cfg.kv_elems_per_token_layer, kv_heads_per_device(cfg, deployment), cfg.kv_bytes)
+
+
+def kda_state_bytes_per_layer(cfg: ModelConfig, deployment: Deployment) -> int:
+    """Bytes of one KDA layer's state on one device (its heads of H x K x V, ``state_bytes`` each)."""
+    return _layer_bytes(cfg.kda_state_elems_layer, state_heads_per_device(cfg, deployment), cfg.state_bytes)
+
+
+def conv_state_bytes_per_layer(cfg: ModelConfig, deployment: Deployment) -> int:
+    """Bytes of one KDA layer's conv window on one device (its heads' channels)."""
+    return _layer_bytes(cfg.conv_state_elems_layer, state_heads_per_device(cfg, deployment), cfg.conv_bytes)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, deployment: Deployment) -> int:
@@ -46,22 +61,10 @@ def kv_bytes_per_token(cfg: ModelConfig, deployment: Deployment) -> int:
     return len(cfg.attn_layers) * kv_bytes_per_token_layer(cfg, deployment)
 
 
-def kda_state_bytes_per_layer(cfg: ModelConfig, deployment: Deployment) -> int:
-    """Bytes of one KDA layer's state on one device (its heads of H x K x V, ``state_bytes`` each)."""
-    mine, heads = state_heads_per_device(cfg, deployment)
-    return cfg.kda_state_elems_layer // heads * mine * cfg.state_bytes
-
-
 def kda_state_bytes(cfg: ModelConfig, deployment: Deployment) -> int:
     """Recurrent-state bytes of one request on one device, all KDA layers (independent of context)."""
     check_pair(cfg, deployment)
     return len(cfg.kda_layers) * kda_state_bytes_per_layer(cfg, deployment)
-
-
-def conv_state_bytes_per_layer(cfg: ModelConfig, deployment: Deployment) -> int:
-    """Bytes of one KDA layer's conv window on one device (its heads' channels)."""
-    mine, heads = state_heads_per_device(cfg, deployment)
-    return cfg.conv_state_elems_layer // heads * mine * cfg.conv_bytes
 
 
 def conv_state_bytes(cfg: ModelConfig, deployment: Deployment) -> int:
