@@ -373,7 +373,8 @@ for cfg in (all_mla_27, kimi_linear_48b):
 #    its share of that request's cache. The memory left after the weights (and a
 #    reserve for a step's activations) divided by one request's cache is the batch that
 #    fits. MLA caches one latent shared by all heads, so tensor parallelism cannot
-#    split it: every device holds the whole latent of every request (chapter 3).
+#    split it: every device holds the whole latent of every request
+#    ([vllm-mla-tp](references.md#vllm-mla-tp); chapter 3).
 # 2. **Bandwidth.** Decoding one token reads the weights it uses (a mixture-of-experts
 #    model like Kimi-Linear-48B-A3B activates ~3B of its 48B parameters per token) and
 #    the whole cache of its request. At long context the cache is most of the bytes.
