@@ -259,25 +259,27 @@ plt.show()
 #
 # The work saved is paid for in memory. A layer caches, for every token, a key and a
 # value per KV head: `2 × Hkv × D` numbers. The analytic model in `kimilab.costs`
-# counts these bytes for any `ModelConfig` without building an array. First we check it
-# against real arrays: the book's runnable `tiny` config has 2 global layers of 4 KV
-# heads × 32 dims, stored in float64 (the cell prints them).
+# counts these bytes for any `ModelConfig` without building an array. Every byte it
+# returns is *per device* of a named deployment (chapter 3 introduces them), so each
+# call names one: here `costs.LOCAL`, the book's reduced model on this CPU, one device
+# that holds everything. First we check the count against real arrays: the runnable
+# `tiny` config has 2 global layers of 4 KV heads × 32 dims, stored in float64 (the cell
+# prints them).
 
 # %%
 show_source(costs.kv_bytes_per_token)
 
 # %%
 print(f"tiny: {len(tiny.attn_layers)} global layers, {tiny.attn_kv_heads_eff} KV heads x "
-      f"{tiny.attn_head_dim_eff} dims, {tiny.dtype}")
+      f"{tiny.attn_head_dim_eff} dims, {tiny.dtype}; deployment {costs.LOCAL.name} ({costs.LOCAL.source})")
 tiny_caches = [KVCache(tiny.attn_kv_heads_eff, tiny.attn_head_dim_eff, dtype=tiny.dtype) for _ in tiny.attn_layers]
-filled = 0
 for n_tokens in (1, 100, 1000):
     for cache in tiny_caches:
         extra = n_tokens - cache.length
         cache.append(rng.standard_normal((extra, cache.n_kv_heads, cache.head_dim)),
                      rng.standard_normal((extra, cache.n_kv_heads, cache.value_dim)))
     measured = sum(cache.nbytes for cache in tiny_caches)
-    analytic = costs.request_bytes(tiny, n_tokens)["kv"]
+    analytic = costs.request_bytes(tiny, costs.LOCAL, n_tokens)["kv"]
     print(f"tiny, {n_tokens:4d} tokens: measured {measured:8d} B, analytic {analytic:8d} B, equal: {measured == analytic}")
 
 # %% [markdown]
@@ -300,21 +302,28 @@ for n_tokens in (1, 100, 1000):
 # - **All-MLA 27 layers**: the same shapes with MLA in every layer, the full-attention
 #   baseline the tech report compares against.
 # - **GQA 8B-class** (Llama-3-8B-like): 32 layers, 8 KV heads of 128 dims, K and V each.
+#
+# The regime is `costs.ONE_H200`: the whole model on one device (an H200, 141 GB), so
+# the bytes per device are the model's own. (Split over several devices, a device holds
+# a share of some caches and all of others: chapter 3.)
 
 # %%
+one = costs.ONE_H200
 hy = kimi_linear_48b
+print(f"deployment: {one.describe()}")
 print(f"{hy.name}: MLA layers (1-based) {[i + 1 for i in hy.attn_layers]} of {hy.n_layers}; per token and layer "
       f"a latent of {hy.kv_lora_rank} + a decoupled key part of {hy.qk_rope_head_dim} numbers, {hy.n_heads} heads")
 print(f"{gqa_8b.name}: {gqa_8b.n_layers} layers, {gqa_8b.attn_kv_heads_eff} KV heads of {gqa_8b.attn_head_dim_eff} dims")
 print(f"{'model':16} {'global layers':>13} {'B/token/layer':>14} {'B/token':>9} {'at 128k':>10} {'at 1M':>10}")
 for cfg in (kimi_linear_48b, all_mla_27, gqa_8b):
-    per_layer = costs.kv_bytes_per_token_layer(cfg)
-    per_token = costs.kv_bytes_per_token(cfg)
+    per_layer = costs.kv_bytes_per_token_layer(cfg, one)
+    per_token = costs.kv_bytes_per_token(cfg, one)
     print(f"{cfg.name:16} {len(cfg.attn_layers):13d} {per_layer:14,d} {per_token:9,d} "
           f"{per_token * 2**17 / 1e9:8.2f} GB {per_token * 2**20 / 1e9:8.2f} GB")
-print(f"hybrid / all-MLA KV bytes per token: {costs.kv_bytes_per_token(kimi_linear_48b) / costs.kv_bytes_per_token(all_mla_27):.4f}"
-      f"  (= 7/27 = {7 / 27:.4f})")
-print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {costs.checkpoint_bytes(kimi_linear_48b) / 1e6:.1f} MB")
+ratio = costs.kv_bytes_per_token(kimi_linear_48b, one) / costs.kv_bytes_per_token(all_mla_27, one)
+print(f"hybrid / all-MLA KV bytes per token: {ratio:.4f}  (= 7/27 = {7 / 27:.4f})")
+print(f"hybrid's fixed KDA + conv states (chapter 2), per request: "
+      f"{costs.checkpoint_bytes(kimi_linear_48b, one) / 1e6:.1f} MB")
 
 # %% [markdown]
 # The hybrid caches 7/27 ≈ 26% of the all-MLA baseline's KV bytes: the tech report's
@@ -324,79 +333,83 @@ print(f"hybrid's fixed KDA + conv states (chapter 2), per request: {costs.checkp
 
 # %%
 lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
+weights_48b = costs.device_weight_bytes(kimi_linear_48b, one)
+weights_8b = costs.device_weight_bytes(gqa_8b, one)
 fig, ax = plt.subplots()
 for cfg, key in ((gqa_8b, "gqa"), (all_mla_27, "all-mla"), (kimi_linear_48b, "hybrid")):
-    kv = np.array([costs.request_bytes(cfg, int(n))["kv"] for n in lengths]) / 1e9
+    kv = np.array([costs.request_bytes(cfg, one, int(n))["kv"] for n in lengths]) / 1e9
     ax.loglog(lengths, kv, **plots.style_of(key))
-weights_48b = costs.weight_bytes(kimi_linear_48b) / 1e9
-weights_8b = costs.weight_bytes(gqa_8b) / 1e9
-ax.axhline(weights_48b, linestyle="--", color=plots.color("weights"),
-           label=f"{plots.label('weights')}, 48B bf16 ({weights_48b:.0f} GB)")
-ax.axhline(weights_8b, linestyle=":", color=plots.color("weights"),
-           label=f"{plots.label('weights')}, 8B bf16 ({weights_8b:.0f} GB)")
+ax.axhline(weights_48b / 1e9, linestyle="--", color=plots.color("weights"),
+           label=f"{plots.label('weights')}, 48B bf16 ({weights_48b / 1e9:.0f} GB)")
+ax.axhline(weights_8b / 1e9, linestyle=":", color=plots.color("weights"),
+           label=f"{plots.label('weights')}, 8B bf16 ({weights_8b / 1e9:.0f} GB)")
 ax.set_xlabel("context length (tokens)")
 ax.set_ylabel("KV cache of ONE request (GB)")
-ax.set_title("KV cache bytes vs context (bf16)")
+ax.set_title(f"KV cache bytes vs context (bf16), whole model on one device ({one.name})")
 ax.legend(loc="lower right")
 plots.save(fig, "ch01-kv-bytes")
 plt.show()
-print(f"one {gqa_8b.name} request's KV cache equals its {weights_8b:.0f} GB of weights at "
-      f"{costs.weight_bytes(gqa_8b) / costs.kv_bytes_per_token(gqa_8b):,.0f} tokens")
+print(f"one {gqa_8b.name} request's KV cache equals its {weights_8b / 1e9:.0f} GB of weights at "
+      f"{weights_8b / costs.kv_bytes_per_token(gqa_8b, one):,.0f} tokens")
 for cfg in (all_mla_27, kimi_linear_48b):
-    share = costs.request_bytes(cfg, 2**20)["kv"] / costs.weight_bytes(cfg)
-    print(f"{cfg.name} at 1M tokens: one request's KV cache = {share:.3f} x the {costs.weight_bytes(cfg) / 1e9:.0f} GB "
-          f"of weights (1/{1 / share:.1f})")
+    share = costs.request_bytes(cfg, one, 2**20)["kv"] / costs.device_weight_bytes(cfg, one)
+    print(f"{cfg.name} at 1M tokens: one request's KV cache = {share:.3f} x the "
+          f"{costs.device_weight_bytes(cfg, one) / 1e9:.0f} GB of weights (1/{1 / share:.1f})")
 
 # %% [markdown]
-# *Takeaway:* one GQA-8B request passes its model's entire 16 GB of weights near 123k
-# tokens; at 1M tokens one all-MLA request needs a third of the 48B model's weights
-# (0.340), the hybrid under a tenth (0.088).
+# *Takeaway* (whole model on one device): one GQA-8B request passes its model's entire
+# 16 GB of weights near 123k tokens; at 1M tokens one all-MLA request needs a third of
+# the 48B model's weights (0.340), the hybrid under a tenth (0.088).
 
 # %% [markdown]
 # ## Why the cache, not the weights, limits long-context serving
 #
-# Two consequences, computed with the roofline model in `kimilab.costs`. Its hardware
-# numbers are *assumptions*, an H800-class accelerator with 80 GB of HBM at 3.35 TB/s
-# (see `kimilab.costs.hardware`); the 48B models' 96 GB of bf16 weights do not fit one
-# device, so they get an 8-device node, the 8B model one device. The next cell prints
-# these assumptions; chapter 3 looks at how a cache is split over the devices.
+# Two consequences, computed per device of a named deployment. The 48B models run as
+# vLLM's published recipe for Kimi Linear runs them, `costs.DEFAULT_DEPLOYMENT`: tensor
+# parallelism over 4 H200s ([vllm-recipe](references.md#vllm-recipe)); the 8B model on
+# one H200. Device numbers are data-sheet figures; the next cell prints them.
 #
-# 1. **Capacity.** The weights are stored once and shared by every request; each
-#    request brings its own cache. The memory left after the weights, divided by one
-#    request's cache, is the batch that fits.
+# 1. **Capacity.** Each device holds its share of the weights and, for every request,
+#    its share of that request's cache. The memory left after the weights (and a
+#    reserve for a step's activations) divided by one request's cache is the batch that
+#    fits. MLA caches one latent shared by all heads, so tensor parallelism cannot
+#    split it: every device holds the whole latent of every request
+#    ([vllm-mla-tp](references.md#vllm-mla-tp); chapter 3).
 # 2. **Bandwidth.** Decoding one token reads the weights it uses (a mixture-of-experts
 #    model like Kimi-Linear-48B-A3B activates ~3B of its 48B parameters per token) and
 #    the whole cache of its request. At long context the cache is most of the bytes.
 
 # %%
-node, one_device = costs.DEFAULT_DEPLOYMENT, costs.Deployment(costs.H800_CLASS, 1)
-print(f"assumed device: {node.device.hbm_bytes / 1e9:.0f} GB HBM at {node.device.hbm_bandwidth / 1e12:.2f} TB/s; "
-      f"48B models on {node.n_devices} devices ({costs.weight_bytes(kimi_linear_48b) / 1e9:.0f} GB of weights), "
-      f"8B on 1; active weights read per token at batch 1: "
-      f"{costs.weight_bytes_read(kimi_linear_48b, 1) / 2e9:.1f}B parameters of the 48B model")
-print(f"{'model':16} {'context':>8} {'fits (requests)':>16} {'cache share of bytes read, batch 1':>36}")
-for cfg, deployment in ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, one_device)):
+node = costs.DEFAULT_DEPLOYMENT
+for dep in (node, one):
+    print(f"deployment: {dep.describe()}")
+print(f"48B models on {node.name}: {costs.device_weight_bytes(kimi_linear_48b, node) / 1e9:.0f} GB of weights per "
+      f"device; read per token at batch 1: {costs.device_weight_bytes_read(kimi_linear_48b, node, 1) / 1e9:.1f} GB "
+      f"per device ({costs.weight_model(kimi_linear_48b).active_params / 1e9:.0f}B active parameters in all)")
+print(f"{'model':16} {'deployment':>14} {'context':>8} {'fits (requests)':>16} {'cache share of bytes read, batch 1':>36}")
+for cfg, dep in ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, one)):
     for n in (8192, 2**17, 2**20):
-        fits = costs.max_batch(cfg, n, deployment)
-        cache_read = costs.request_total_bytes(cfg, n)
-        share = cache_read / costs.decode_step_bytes(cfg, n, batch=1)
-        print(f"{cfg.name:16} {n:8d} {fits:16d} {share:35.1%}")
-    crossover = costs.weight_bytes_read(cfg, 1) / costs.kv_bytes_per_token(cfg)
-    print(f"{'':16} cache read = active weights read at {crossover:,.0f} tokens")
-gqa_1m = costs.request_bytes(gqa_8b, 2**20)["kv"]
+        fits = costs.max_batch(cfg, dep, n)
+        work = costs.step_work(cfg, dep, decode=(1, n))  # what one device reads in one decode step
+        share = work.cache_bytes / (work.cache_bytes + work.weight_bytes)
+        print(f"{cfg.name:16} {dep.name:>14} {n:8d} {fits:16d} {share:35.1%}")
+    crossover = costs.device_weight_bytes_read(cfg, dep, 1) / costs.kv_bytes_per_token(cfg, dep)
+    print(f"{'':16} {'':>14} cache read = active weights read at {crossover:,.0f} tokens")
+gqa_1m = costs.request_bytes(gqa_8b, one, 2**20)["kv"]
 print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cache = "
-      f"{gqa_1m / costs.weight_bytes(gqa_8b):.1f} x its weights, on an {one_device.device.hbm_bytes / 1e9:.0f} GB device")
+      f"{gqa_1m / weights_8b:.1f} x its weights; the device has {one.device.hbm_bytes / 1e9:.0f} GB, of which "
+      f"{costs.cache_budget_bytes(gqa_8b, one) / 1e9:.0f} GB are left for caches")
 
 # %% [markdown]
-# At 8k tokens the weights dominate the bytes read and a node holds hundreds of
-# requests. At 1M tokens the node fits only a handful (the "fits" column: the latent
-# cache of an MLA layer has one shared head, so tensor parallelism copies it to every
-# device; chapter 3 compares the ways to split attention over devices), and a single
-# 80 GB device cannot hold even one GQA-8B request: its 137 GB cache is 8.6x the
-# model. When decoding one 1M-token request, most of the bytes an all-MLA model reads
-# per token are cache (the last column). Shrinking the cache, not the weights, is what
-# long context needs. The hybrid keeps only 7 global layers, and chapter 2 shows what
-# its other 20 layers keep instead: a state whose size never grows.
+# At 8k tokens the weights dominate the bytes read and the 4-device instance holds
+# hundreds of requests (1,285 of the hybrid's, 388 all-MLA). At 1M tokens it fits only
+# a handful (the "fits" column: every
+# device stores the whole MLA latent of every request), and one H200 cannot hold even
+# one GQA-8B request: its 137 GB cache is 8.6x the model and more than the 107 GB the
+# device has left for caches. When decoding one 1M-token request, most of the bytes an
+# all-MLA device reads per token are cache (the last column). Shrinking the cache, not
+# the weights, is what long context needs. The hybrid keeps only 7 global layers, and
+# chapter 2 shows what its other 20 layers keep instead: a state whose size never grows.
 
 # %% [markdown]
 # ## Summary
@@ -407,10 +420,12 @@ print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cach
 #   equals recomputing the whole prefix (max difference < 1e-10 in float64) and turns
 #   per-token work from ~L² into ~L: 5.7 orders of magnitude less at 1M tokens in the toy.
 # - The price is memory: bytes per token = layers × (what one layer stores) × bytes per
-#   number. Kimi-Linear-48B's 7 MLA layers store 8,064 B/token, the all-MLA baseline
-#   31,104 B/token (26%: the tech report's "up to 75% less"), a GQA-8B model 131,072 B/token.
-# - At long context the cache outgrows the weights: it decides the batch that fits and
-#   most of the bytes each decoded token reads.
+#   number. With the whole model on one device (`costs.ONE_H200`), Kimi-Linear-48B's 7
+#   MLA layers store 8,064 B/token, the all-MLA baseline 31,104 B/token (26%: the tech
+#   report's "up to 75% less"), a GQA-8B model 131,072 B/token.
+# - Every byte is per device of a named deployment. At long context the cache outgrows
+#   the weights: on vLLM's TP4 recipe it decides the batch that fits and most of the
+#   bytes each decoded token reads.
 
 # %% [markdown]
 # ## Exercises
@@ -430,23 +445,23 @@ answer = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 b
 verify("1.1", answer)
 
 # %% [markdown]
-# **1.2 A long request.** How many bytes does one 32,768-token request's KV cache take
-# under `gqa_8b`?
+# **1.2 A long request.** With the whole model on one device (`costs.ONE_H200`), how
+# many bytes does one 32,768-token request's KV cache take under `gqa_8b`?
 
 # %% tags=["solution"]
-answer = costs.kv_bytes_per_token(gqa_8b) * 32_768
+answer = costs.kv_bytes_per_token(gqa_8b, costs.ONE_H200) * 32_768  # 131,072 B a token
 
 # %%
 verify("1.2", answer)
 
 # %% [markdown]
-# **1.3 Where the cache equals the weights.** At what context length does one all-MLA
-# request's KV cache hold as many bytes as all 96 GB of the 48B model's weights?
-# (`costs.weight_bytes(all_mla_27)` and `costs.kv_bytes_per_token(all_mla_27)`; answers
-# within 1% pass.)
+# **1.3 Where the cache equals the weights.** With the whole model on one device
+# (`costs.ONE_H200`), at what context length does one all-MLA request's KV cache hold as
+# many bytes as all of the 48B model's bf16 weights? (Answers within 1% pass.)
 
 # %% tags=["solution"]
-answer = costs.weight_bytes(all_mla_27) / costs.kv_bytes_per_token(all_mla_27)  # about 3.09 million tokens
+answer = (costs.device_weight_bytes(all_mla_27, costs.ONE_H200)
+          / costs.kv_bytes_per_token(all_mla_27, costs.ONE_H200))  # 96e9 B / 31,104 B a token
 
 # %%
 verify("1.3", answer)
@@ -459,3 +474,18 @@ verify("1.3", answer)
 # **1.5 (open)** Add a sliding window to the cache: keep only the last W tokens. Which
 # outputs change, and which test in `tests/test_attention.py` would you have to
 # rewrite?
+#
+# **1.6 Eight devices instead of four.** vLLM's recipe also runs the model with tensor
+# parallelism over 8 H200s (`costs.VLLM_TP8_H200`). How many all-MLA requests of 131,072
+# tokens fit in that instance at once? Each device keeps 90% of its HBM for the engine,
+# of which its share of the weights and a 4 GB activation reserve are not cache.
+# Think first about what one device holds of each request.
+
+# %% tags=["solution"]
+tp8 = costs.VLLM_TP8_H200
+budget = 0.9 * tp8.device.hbm_bytes - costs.device_weight_bytes(all_mla_27, tp8) - 4e9  # per device
+per_request = 131_072 * costs.kv_bytes_per_token(all_mla_27, tp8)  # the whole latent: TP cannot split it
+answer = int(budget // per_request)
+
+# %%
+verify("1.6", answer)

@@ -440,7 +440,7 @@ for n_tokens in (64, 512, 4096):
     kv = KVCache(H_t, D_t, dtype="float64")
     kv.append(rng.standard_normal((n_tokens, H_t, D_t)), rng.standard_normal((n_tokens, H_t, D_t)))
     print(f"{n_tokens:7d} {state.nbytes:16,d} {kv.nbytes:25,d}")
-print(f"analytic KDA state per layer (tiny): {costs.kda_state_bytes_per_layer(tiny):,d} B")
+print(f"analytic KDA state per layer (tiny, {costs.LOCAL.name}): {costs.kda_state_bytes_per_layer(tiny, costs.LOCAL):,d} B")
 
 # %% [markdown]
 # At real scale (Kimi-Linear-48B's `config.json`, [kimi-config](references.md#kimi-config):
@@ -448,36 +448,55 @@ print(f"analytic KDA state per layer (tiny): {costs.kda_state_bytes_per_layer(ti
 # beside chapter 1's KV lines (bf16). The state is counted in fp32: the report gives no
 # state dtype; fp32 is what vLLM allocates for KDA's recurrent state
 # ([vllm](references.md#vllm)), and chapter 3 also prices a bf16 state.
+#
+# Bytes are per device of a named deployment. With the whole model on one device
+# (`costs.ONE_H200`) they are the model's own. Under vLLM's tensor-parallel recipe
+# (`costs.DEFAULT_DEPLOYMENT`, 4 devices) each device holds a quarter of every state,
+# because the KDA heads are split over the devices, but the whole MLA latent: the
+# latent is one head shared by all query heads, and a head cannot be split
+# ([vllm](references.md#vllm); chapter 3 shows this in full).
 
 # %%
 lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
-state_total = costs.kda_state_bytes(kimi_linear_48b)
+one, tp4 = costs.ONE_H200, costs.DEFAULT_DEPLOYMENT
+state_total = costs.kda_state_bytes(kimi_linear_48b, one)
+kv_token = costs.kv_bytes_per_token(kimi_linear_48b, one)
+print(f"{one.describe()}")
 print(f"Kimi-Linear-48B KDA state per request: {state_total / 2**20:.0f} MiB "
-      f"({costs.kda_state_bytes_per_layer(kimi_linear_48b) / 2**20:.0f} MiB per layer x "
-      f"{kimi_linear_48b.layer_pattern.count('K')} layers); conv states {costs.conv_state_bytes(kimi_linear_48b) / 2**20:.1f} MiB")
-crossover = state_total / costs.kv_bytes_per_token(kimi_linear_48b)
-print(f"the hybrid's 7 MLA layers cache {costs.kv_bytes_per_token(kimi_linear_48b):,d} B per token: as many bytes "
-      f"as its 20 KDA states after {crossover:,.0f} tokens")
-kv_1m = costs.request_bytes(kimi_linear_48b, 2**20)["kv"]
+      f"({costs.kda_state_bytes_per_layer(kimi_linear_48b, one) / 2**20:.0f} MiB per layer x "
+      f"{kimi_linear_48b.layer_pattern.count('K')} layers); conv states "
+      f"{costs.conv_state_bytes(kimi_linear_48b, one) / 2**20:.1f} MiB")
+print(f"the hybrid's 7 MLA layers cache {kv_token:,d} B per token: as many bytes "
+      f"as its 20 KDA states after {state_total / kv_token:,.0f} tokens")
+kv_1m = costs.request_bytes(kimi_linear_48b, one, 2**20)["kv"]
 print(f"at 1M tokens: KV cache {kv_1m / 1e9:.2f} GB = {kv_1m / state_total:.0f} x the KDA state ({state_total / 1e9:.3f} GB)")
+state_tp4 = costs.kda_state_bytes(kimi_linear_48b, tp4)
+print(f"{tp4.describe()}: per device {state_tp4 / 2**20:.0f} MiB of KDA state and "
+      f"{costs.kv_bytes_per_token(kimi_linear_48b, tp4):,d} B of KV per token: equal after "
+      f"{state_tp4 / costs.kv_bytes_per_token(kimi_linear_48b, tp4):,.0f} tokens")
 
 fig, ax = plt.subplots()
-ax.loglog(lengths, [costs.request_bytes(all_mla_27, int(n))["kv"] / 1e9 for n in lengths], **plots.style_of("all-mla"))
-ax.loglog(lengths, [costs.request_bytes(kimi_linear_48b, int(n))["kv"] / 1e9 for n in lengths], linestyle="--",
+ax.loglog(lengths, [costs.request_bytes(all_mla_27, one, int(n))["kv"] / 1e9 for n in lengths],
+          **plots.style_of("all-mla"))
+ax.loglog(lengths, [costs.request_bytes(kimi_linear_48b, one, int(n))["kv"] / 1e9 for n in lengths], linestyle="--",
           color=plots.color("kv-cache"), label=f"{plots.label('kv-cache')}, hybrid's 7 MLA layers")
 ax.loglog(lengths, np.full(len(lengths), state_total / 1e9),
           color=plots.color("kda-state"), label=f"{plots.label('kda-state')}, hybrid's 20 KDA layers (fp32)")
+ax.loglog(lengths, np.full(len(lengths), state_tp4 / 1e9), linestyle=":", color=plots.color("kda-state"),
+          label=f"{plots.label('kda-state')}, one device of {tp4.name} (a quarter)")
 ax.set_xlabel("context length (tokens)")
-ax.set_ylabel("bytes of ONE request (GB)")
-ax.set_title("Kimi-Linear-48B: growing KV cache vs fixed KDA state")
+ax.set_ylabel("bytes of ONE request per device (GB)")
+ax.set_title(f"Kimi-Linear-48B: growing KV cache vs fixed KDA state ({one.name} unless named)")
 ax.legend(loc="upper left")
 plots.save(fig, "ch02-state-vs-kv")
 plt.show()
 
 # %% [markdown]
-# *Takeaway:* the KDA state is a flat line at 0.04 GB; past about 5.2k tokens (printed
-# above) the seven MLA layers' KV cache is the larger part of a request, and at 1M
-# tokens it is 202 times the state.
+# *Takeaway:* with the whole model on one device the KDA state is a flat line at
+# 0.04 GB; past about 5.2k tokens (printed above) the seven MLA layers' KV cache is the
+# larger part of a request, and at 1M tokens it is 202 times the state. On one device
+# of the TP4 recipe the state is a quarter as large and the KV the same, so the KV
+# passes it already at about 1.3k tokens.
 #
 # ## States do not add
 #
@@ -669,7 +688,7 @@ for ax in (ax1, ax2, ax3):
     ax.minorticks_off()
     ax.set_xlabel("chunk size C (tokens)")
     ax.legend()
-fig.suptitle(f"Chunk-size sweep, T={T_sweep}, H={H_b}, K=V={K_b}")
+fig.suptitle(f"Chunk-size sweep, T={T_sweep}, H={H_b}, K=V={K_b}", y=1.04)
 plots.save(fig, "ch02-chunk-sweep")
 plt.show()
 
@@ -701,8 +720,9 @@ plt.show()
 # - The chunk size trades arithmetic (more with larger C) against sequential steps
 #   (more with smaller C); the best C depends on the machine.
 # - The state is `H x K x V` per layer whatever the context: 40 MiB for
-#   Kimi-Linear-48B's 20 KDA layers, against a KV cache that grows by 8,064 B per token
-#   in its 7 MLA layers.
+#   Kimi-Linear-48B's 20 KDA layers with the whole model on one device, against a KV
+#   cache that grows by 8,064 B per token in its 7 MLA layers. Under tensor parallelism
+#   each device holds a share of the state but the whole MLA latent.
 # - States do not add. A segment is an affine map `S_out = M S_in + C`; segments
 #   compose in order. Prefix caching (chapters 5-6), speculative rollback (7-8) and
 #   context parallelism (9) all have to live with that.
@@ -714,9 +734,9 @@ plt.show()
 # answer (the student edition, `make student`, leaves it empty for you), and
 # `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
 #
-# **2.1 The state of one layer.** How many bytes does ONE Kimi-Linear-48B KDA layer's
-# state take for one request? It has 32 heads, K = V = 128, and the state is kept in
-# fp32 (4 bytes).
+# **2.1 The state of one layer.** With the whole model on one device
+# (`costs.ONE_H200`), how many bytes does ONE Kimi-Linear-48B KDA layer's state take for
+# one request? It has 32 heads, K = V = 128, and the state is kept in fp32 (4 bytes).
 
 # %% tags=["solution"]
 answer = 32 * 128 * 128 * 4  # H x K x V numbers of 4 bytes: 2 MiB, at 1 token and at 1M tokens
@@ -754,3 +774,17 @@ verify("2.3", answer)
 # head of `random_inputs(256, 1, 8, 8, seed=0, gate="extreme")` with `chunk_size=64`,
 # against `kda.recurrent_kda`. What goes wrong, and why? Why must `chunk_kda`, which
 # uses matrix products, never form `exp(G_i - G_j)` for j > i?
+#
+# **2.5 KV overtakes the state, per device.** On one device of vLLM's TP8 recipe
+# (`costs.VLLM_TP8_H200`: the 48B hybrid with tensor parallelism over 8 H200s), what is
+# the smallest context at which one request's MLA KV cache on that device holds *more*
+# bytes than its 20 KDA recurrent states on that device (conv states left out)?
+# Think about which of the two the 8 devices split and which each device keeps whole.
+
+# %% tags=["solution"]
+tp8 = costs.VLLM_TP8_H200
+state_tp8 = costs.kda_state_bytes(kimi_linear_48b, tp8)  # 32 heads over 8 devices: 4 heads a layer
+answer = state_tp8 // costs.kv_bytes_per_token(kimi_linear_48b, tp8) + 1  # the latent is whole: 8,064 B a token
+
+# %%
+verify("2.5", answer)

@@ -415,3 +415,39 @@ def test_the_nvlink_numbers_are_the_fit_to_vidurs_all_reduces():
         bw, latency = calibration.fit_link(n)
         assert bw == pytest.approx(m.NVLINK_H100.bandwidth, rel=0.15)
         assert latency == pytest.approx(m.NVLINK_H100.latency, rel=0.15)
+
+
+# ----- the decode-step crossover (chapter 3) --------------------------------------------------
+
+@pytest.mark.parametrize("dep", [ONE, TP4, DP4], ids=lambda d: d.name)
+@pytest.mark.parametrize("batch", [1, 64, 512])
+def test_the_decode_crossover_is_where_the_step_stops_being_slower(dep, batch):
+    """Bisection == a scan: slower below the crossover, no slower at it and (on a grid) above it."""
+    n = m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, dep, batch)
+    assert n is not None and n > 0
+
+    def no_slower(L):
+        return (m.decode_step_seconds(kimi_linear_48b, dep, L, batch)
+                <= m.decode_step_seconds(all_mla_27, dep, L, batch))
+
+    assert no_slower(n) and not no_slower(n - 1)
+    grid = np.unique(np.geomspace(1, M, 60).astype(int))
+    assert all(no_slower(int(L)) == (L >= n) for L in grid)
+
+
+def test_the_decode_crossover_values_by_deployment():
+    """Under TP it does not move with the batch: a step reads the state and writes it back, the KV is
+    read once, so it sits at twice the memory crossover. Under DP-attention the replicated mixer
+    weights (KDA's are larger than MLA's) push it out at small batch."""
+    for dep, want in ((ONE, 3768), (TP4, 942), (TP8, 471)):
+        assert {m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, dep, b) for b in (1, 16, 256)} == {want}
+        assert abs(want - 2 * m.crossover_tokens(kimi_linear_48b, all_mla_27, dep)) <= 2
+    dp = [m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, DP4, b) for b in (1, 16, 64, 256, 512)]
+    assert dp == sorted(dp, reverse=True) and dp[0] > 100_000 and dp[-1] == 3768
+    assert m.decode_crossover_tokens(kimi_linear_48b, kimi_linear_48b, TP4, 8) == 0
+    assert m.decode_crossover_tokens(all_mla_27, kimi_linear_48b, TP4, 64) is None
+    assert m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, DP4, 1, max_tokens=10_000) is None
+    with pytest.raises(ValueError, match="batch"):
+        m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, TP4, 0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, TP4, 1, max_tokens=-1)

@@ -42,7 +42,7 @@ from kimilab.costs.parallel import (
     check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
     requests_on_busiest_device, state_heads_per_device,
 )
-from kimilab.costs.roofline import DecodePoint, decode_point, summary
+from kimilab.costs.roofline import DecodePoint, decode_crossover_tokens, decode_point, summary
 from kimilab.costs.steptime import (
     StepTimer, StepWork, checkpoint_write_seconds, decode_step_seconds, prefill_chunks, prefill_seconds,
     prefill_seconds_saved, step_seconds, step_work,
@@ -70,7 +70,7 @@ __all__ = [
     # time
     "StepWork", "step_work", "step_seconds", "decode_step_seconds", "prefill_chunks", "prefill_seconds",
     "prefill_seconds_saved", "checkpoint_write_seconds", "StepTimer",
-    "DecodePoint", "decode_point", "summary",
+    "DecodePoint", "decode_point", "decode_crossover_tokens", "summary",
     # vLLM's pages
     "VllmHybridPages", "vllm_hybrid_pages", "vllm_pages_of",
 ]

@@ -14,8 +14,9 @@ from kimilab.costs.cache_bytes import checkpoint_bytes, kv_bytes_per_token, requ
 from kimilab.costs.deployment import Deployment
 from kimilab.costs.memory import max_batch
 from kimilab.costs.steptime import decode_step_seconds
+from kimilab.validate import check_int
 
-__all__ = ["DecodePoint", "decode_point", "summary"]
+__all__ = ["DecodePoint", "decode_point", "decode_crossover_tokens", "summary"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,33 @@ def decode_point(cfg: ModelConfig, deployment: Deployment, context_len: int, bat
             raise ValueError(f"context_len={context_len}: not one request of {cfg.name} fits beside the weights "
                              f"on {deployment.describe()}; pass a larger deployment")
     return DecodePoint(batch, decode_step_seconds(cfg, deployment, context_len, batch))
+
+
+def decode_crossover_tokens(cfg: ModelConfig, baseline: ModelConfig, deployment: Deployment, batch: int,
+                            max_tokens: int = 1 << 20) -> int | None:
+    """Smallest context (0..``max_tokens``) at which a decode step of ``batch`` requests of ``cfg``
+    takes no longer than one of ``baseline`` on ``deployment`` (None if it never does there).
+
+    The time's counterpart of :func:`~kimilab.costs.crossover_tokens`. Found by bisection:
+    it assumes the two steps' difference changes sign at most once in context, which holds
+    when both are bound by bytes (the hybrid's fixed state against the baseline's larger KV
+    per token); a test holds it equal to a scan.
+    """
+    batch = check_int("batch", batch, 1)
+    hi = check_int("max_tokens", max_tokens, 0, unit="tokens")
+
+    def no_slower(L: int) -> bool:
+        return decode_step_seconds(cfg, deployment, L, batch) <= decode_step_seconds(baseline, deployment, L, batch)
+
+    if not no_slower(hi):
+        return None
+    lo = 0
+    if no_slower(lo):
+        return 0
+    while hi - lo > 1:  # no_slower(hi) and not no_slower(lo)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if no_slower(mid) else (mid, hi)
+    return hi
 
 
 def summary(cfg: ModelConfig, baseline: ModelConfig, deployment: Deployment,

@@ -16,6 +16,13 @@ def _():
 
 
 @exercise("1.3", "cache = weights", rtol=0.01,
-          hint="divide all_mla_27's weight bytes by its KV bytes per token (answers within 1% pass).")
+          hint="the weights are stored once; the cache grows by a fixed number of bytes per token.")
 def _():
     return costs.device_weight_bytes(all_mla_27, costs.ONE_H200) / costs.kv_bytes_per_token(all_mla_27, costs.ONE_H200)
+
+
+@exercise("1.6", "all-MLA requests that fit at TP8",
+          hint="each device keeps the whole MLA latent of every request (one KV head cannot be split): "
+               "divide one device's cache budget by one request's bytes, rounding down.")
+def _():
+    return costs.max_batch(all_mla_27, costs.VLLM_TP8_H200, 131072)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kimilab import kda
+from kimilab import costs, kda
 from kimilab.config import kimi_linear_48b
 from kimilab.exercises import exercise
 
@@ -24,3 +24,11 @@ def _():
                "take M of head 0.")
 def _():
     return np.eye(3)
+
+
+@exercise("2.5", "KV passes the KDA state on one TP8 device",
+          hint="tensor parallelism splits the KDA heads over the devices, but MLA's latent is one head that every "
+               "device keeps whole; find the first token count whose KV is strictly larger.")
+def _():
+    tp8 = costs.VLLM_TP8_H200
+    return costs.kda_state_bytes(kimi_linear_48b, tp8) // costs.kv_bytes_per_token(kimi_linear_48b, tp8) + 1
