@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student classroom experiment test fuzz lab sync bench parity clean
+.PHONY: setup book html student grade classroom experiment test fuzz lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -27,13 +27,21 @@ $(STAMP): pyproject.toml
 book: $(STAMP)
 	$(BIN)/python -m kimilab book
 
-# The web edition from the stored notebooks (no execution): _build/html/index.html.
+# The web edition from the stored notebooks (no execution, no network): the teacher's site in
+# _build/html/ and the student's (no solutions) in _build/html-student/.
 html: $(STAMP)
 	$(BIN)/python -m kimilab html
 
-# The classroom edition: student/NN_slug.ipynb with the solutions removed and outputs cleared.
+# The student bundle: student/ and student.zip (notebooks without solutions or outputs, the package
+# without the answer checkers, sealed answer hashes, the data, a Makefile). No answers in it.
 student: $(STAMP)
 	$(BIN)/python -m kimilab student
+
+# Grade answered student notebooks: make grade DIR=submissions/ [OUT=grades.csv] executes each one
+# (with the teacher's checkers) and writes one CSV row per notebook and exercise.
+grade: $(STAMP)
+	@test -n "$(DIR)" || { echo "make grade: DIR= is required, e.g. make grade DIR=submissions/" >&2; exit 2; }
+	$(BIN)/python -m kimilab grade $(DIR) --out $(or $(OUT),grades.csv)
 
 # The book's experiment (chapter 11): results/part_a.{json,md} (reduced model, CPU) and
 # results/part_b.{json,md} (48B sizes, fleet simulator on the real trace).
@@ -57,7 +65,8 @@ fuzz: $(STAMP)
 		--hypothesis-profile=fuzz --hypothesis-seed=$$seed \
 	|| { echo "make fuzz failed with seed $$seed: FUZZ_SEED=$$seed make fuzz repeats it"; exit 1; }
 
-# Every student notebook runs up to its first exercise and stops there (executes every chapter again).
+# Every notebook of a fresh student bundle runs, on the bundle's own kimilab, up to its first
+# exercise and stops there (executes every chapter again, so not part of make test).
 classroom: $(STAMP)
 	$(BIN)/python -m pytest -q -m classroom tests/test_classroom.py
 
@@ -83,5 +92,5 @@ parity: $(PARITY)
 	$(BIN)/python -m pytest -q -m parity tests
 
 clean:
-	rm -rf _build figures student results .hypothesis
+	rm -rf _build figures student student.zip grades.csv results .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

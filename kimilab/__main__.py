@@ -8,7 +8,8 @@ Commands:
 * ``memory``                a model's cache bytes and roofline decode time against a baseline
 * ``book``                  execute every chapter and render the book (same as ``make book``)
 * ``html``                  render the web edition from the stored chapters (``make html``)
-* ``student``               write the classroom edition without solutions (``make student``)
+* ``student``               write the student bundle: no solutions, no answers (``make student``)
+* ``grade SUBMISSION...``   execute answered student notebooks; a CSV of every exercise (``make grade``)
 * ``experiment``            the book's experiment: results/part_a.* and part_b.* (``make experiment``)
 * ``fleet TRACE...``        serve traces (one tenant each) on a fleet of engines; one JSON object
 * ``cp --tokens T``         context-parallel KDA on the ranks of ``mpiexec -n P``; one JSON object
@@ -110,7 +111,11 @@ def _parser() -> _Parser:
     b.add_argument("--no-html", action="store_true", help="skip rendering HTML")
 
     sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
-    sub.add_parser("student", help="write the classroom edition: student/NN_slug.ipynb, solutions removed")
+    sub.add_parser("student", help="write the student bundle: student/ and student.zip, with no answers in it")
+    g = sub.add_parser("grade", help="execute answered student notebooks and write a CSV of every exercise's result")
+    g.add_argument("submissions", nargs="+", metavar="SUBMISSION", help="student notebooks, or folders of them")
+    g.add_argument("--out", default="grades.csv", help="the CSV to write")
+    g.add_argument("--timeout", type=positive_int_arg, default=600, help="seconds a cell may run")
 
     from kimilab.experiment.results import add_arguments as experiment_arguments
 
@@ -341,6 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kimilab import classroom
 
         return classroom.main()
+    if args.command == "grade":
+        from kimilab import classroom
+
+        return classroom.grade_main(args.submissions, args.out, args.timeout)
     if args.command == "experiment":
         from kimilab.experiment import results
 

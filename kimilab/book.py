@@ -8,7 +8,7 @@
 3. writes ``chapters/NN_slug.ipynb`` with its outputs and without volatile
    metadata (no timestamps, no interpreter version), so an unchanged checkout
    rebuilds to the same bytes except for wall-clock cells,
-4. renders the web edition into ``_build/html/`` (:mod:`kimilab.site`),
+4. renders the web edition into ``_build/html/`` and ``_build/html-student/`` (:mod:`kimilab.site`),
 5. prints a table of per-chapter run times (also ``_build/timings.json``).
 
 ``--only 02 05`` builds a subset; ``--no-html`` skips step 4.
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds[src.stem] = secs
         built.append(out)
     if not args.no_html:
-        from kimilab.site import build_site
+        from kimilab.site import build_sites
 
-        index = build_site()
-        print(f"HTML: {index.relative_to(ROOT)}")
+        for edition, index in build_sites().items():
+            print(f"HTML ({edition} edition): {index.relative_to(ROOT)}")
     BUILD.mkdir(parents=True, exist_ok=True)
     (BUILD.parent / "timings.json").write_text(json.dumps(seconds, indent=1, sort_keys=True) + "\n")
     width = max(len(s) for s in seconds)

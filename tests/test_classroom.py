@@ -1,22 +1,30 @@
-"""The classroom edition: checked exercises in every chapter, the student notebooks built from them.
+"""The classroom edition: checked exercises in every chapter, the student notebooks built from them, grading.
 
 Fast checks (in ``make test``): every chapter has at least three checked exercises,
 each a solution cell, a ``verify`` cell and a registered checker; the teacher's stored
 outputs say "correct" for every one (nbval re-executes them, so pasting the solution
 back passes its checker); the student edition keeps no solution and no output, and has
-one stub per exercise. Slow check (``make classroom``, run by ``.ci/run``): every
-student notebook, executed, runs up to its first exercise and stops exactly there with
-``NotImplementedError("exercise N.M")``.
+one stub per exercise; ``verify`` names unit slips and where an array differs most, and
+its hints come concept first; the grader, run on chapter 1 answered by pasting the
+teacher's solutions (one made wrong, one left as the stub), writes a CSV that says so.
+Slow check (``make classroom``, run by ``.ci/run``): every notebook of a freshly built
+student bundle, executed against the bundle's own ``kimilab`` (sealed answers), runs up
+to its first exercise and stops exactly there with ``NotImplementedError("exercise N.M")``.
 """
 
+import csv
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 from kimilab import classroom
-from kimilab.exercises import all_exercises, verify
+from kimilab.exercises import all_exercises, check, verify
 
 CHAPTERS = sorted((Path(__file__).resolve().parent.parent / "chapters").glob("[0-9][0-9]_*.ipynb"))
 VERIFY_OUT = re.compile(r"^\[(\d+\.\d+) [^\]]*\] correct\.$", re.M)
@@ -72,16 +80,96 @@ def test_the_student_edition_has_stubs_and_no_solutions(path):
     assert pasted == [c.source for c in teacher.cells if c.cell_type == "code"]
 
 
+def test_verify_names_unit_slips_array_differences_and_types():
+    slip = check(3 * 2**20 / 2**20, 3 * 2**20, name="x", verbose=False)
+    assert "too small by exactly 2^20" in slip.message and "MiB where bytes" in slip.message
+    assert "too large by exactly 10^9" in check(5e9, 5.0, name="x", verbose=False).message
+    assert "GiB where GB" in check(10 / 1.073741824, 10.0, name="x", verbose=False).message
+    expected = np.arange(6.0).reshape(2, 3)
+    answer = expected.copy()
+    answer[1, 2] += 0.5
+    answer[0, 1] += 0.1
+    msg = check(answer, expected, name="x", verbose=False).message
+    assert "2 of 6 elements are off, the most at index (1, 2)" in msg and "difference 0.5" in msg
+    msg = check("12", 12, name="x", verbose=False).message
+    assert "not a number (an integer was expected)" in msg and "a int" not in msg
+    assert "not a whole number" in check(12.5, 12, name="x", verbose=False).message
+
+
+def test_hints_come_concept_first_then_narrower():
+    ex = all_exercises()["6.2"]
+    assert "10 x 10^9 bytes" in ex.hints[0] and "1e9 bytes" not in " ".join(ex.hints)
+    first = verify("6.1", -3, verbose=False).message
+    second = verify("6.1", -3, verbose=False).message
+    hints = all_exercises()["6.1"].hints
+    assert first.endswith(hints[0]) and second.endswith(hints[1])
+
+
+def _answered(tmp_path: Path) -> Path:
+    """Chapter 1's student notebook with 1.1 solved, 1.2 answered wrongly and 1.3 left as the stub."""
+    teacher_path = next(p for p in CHAPTERS if p.name.startswith("01_"))
+    teacher = nbformat.read(teacher_path, as_version=4)
+    solutions = dict(zip((ex for _, ex in classroom.exercise_ids(teacher)),
+                         (c.source for c in teacher.cells if classroom.SOLUTION_TAG in c.metadata.get("tags", [])
+                          and c.cell_type == "code")))
+    student = classroom.student_notebook(teacher_path)
+    for cell in student.cells:
+        stub = classroom.stub_id(cell.source) if cell.cell_type == "code" else None
+        if stub == "1.1":
+            cell.source = solutions["1.1"]
+        elif stub == "1.2":
+            cell.source = "answer = 1  # a wrong answer"
+    target = tmp_path / "alice" / teacher_path.name
+    target.parent.mkdir()
+    nbformat.write(student, target)
+    return target
+
+
+def test_the_grader_writes_one_row_per_exercise(tmp_path):
+    from kimilab.classroom.grade import FIELDS, grade
+
+    notebook = _answered(tmp_path)
+    out = tmp_path / "grades.csv"
+    grade([tmp_path / "alice"], out, echo=lambda line: None)
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == FIELDS
+    status = {r["exercise"]: (r["status"], r["points"]) for r in rows}
+    assert status == {"1.1": ("correct", "1"), "1.2": ("wrong", "0"), "1.3": ("unanswered", "0")}, rows
+    assert all(r["notebook"] == str(notebook) and r["chapter"] == "1" for r in rows)
+
+
+def test_the_grader_names_a_bad_argument_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kimilab", "grade", str(tmp_path / "missing")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "missing" in out.stderr and "SUBMISSION" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def student_bundle(tmp_path_factory):
+    from kimilab.classroom.bundle import build_bundle
+
+    folder = tmp_path_factory.mktemp("bundle") / "student"
+    build_bundle(folder, None)
+    return folder
+
+
 @pytest.mark.classroom
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_a_student_notebook_runs_to_its_first_exercise_and_stops_there(path, tmp_path):
+def test_a_bundle_notebook_runs_to_its_first_exercise_and_stops_there(path, student_bundle, monkeypatch):
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    student = classroom.student_notebook(path)
+    notebook = student_bundle / "chapters" / path.name
+    student = nbformat.read(notebook, as_version=4)
     first = classroom.exercise_ids(nbformat.read(path, as_version=4))[0][1]
+    student.cells.insert(0, nbformat.v4.new_code_cell(
+        "import kimilab, kimilab.exercises as _e\n"
+        f"assert kimilab.__file__.startswith({str(student_bundle)!r}) and not _e.all_exercises()"))
+    monkeypatch.setenv("PYTHONPATH", str(student_bundle) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     client = NotebookClient(student, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+                            resources={"metadata": {"path": str(notebook.parent)}})
     with pytest.raises(CellExecutionError) as err:
         client.execute()
     assert err.value.ename == "NotImplementedError" and f"exercise {first}" in err.value.evalue

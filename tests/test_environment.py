@@ -35,7 +35,8 @@ def _environment_names() -> set[str]:
     names = set()
     text = (ROOT / "environment.yml").read_text()
     for line in text.split("\ndependencies:\n", 1)[1].splitlines():
-        m = re.match(r"^  - ([A-Za-z0-9_.\-]+)", line)
+        # conda packages, and the pip: section's packages (those not on conda-forge); not the -e . line
+        m = re.match(r"^(?:  |      )- ([A-Za-z][A-Za-z0-9_.\-]*)", line)
         if m and m.group(1) not in ("python", "pip"):
             names.add(_name(m.group(1)))
     return names

@@ -2,51 +2,71 @@
 
 A chapter's checked exercise is three cells: the question (markdown), the reader's
 solution (a code cell tagged ``solution``, which the classroom edition replaces by a
-stub) and ``verify("N.M", answer)``. The checker lives here, not in the notebook, so
-the student edition does not print the answer: :func:`verify` recomputes the expected
-value with kimilab and says in one sentence what is wrong with a wrong answer.
-Checkers are registered per chapter in ``kimilab/exercises/chNN.py``.
+stub) and ``verify("N.M", answer)``, which says "correct" or, in one sentence, what is
+off, and gives a hint: the concept on the first wrong try, a narrower one after.
+
+Where the answers come from:
+
+* in the teacher's repository, ``kimilab/exercises/chNN.py`` registers one function per
+  exercise that computes the expected value with kimilab (:func:`exercise`);
+* in the student bundle (``make student``) those modules are absent and ``key.json``
+  holds salted hashes instead (:mod:`kimilab.exercises.sealed`), so the bundle can
+  check an answer but holds no expected value to read or call.
+
+When ``KIMILAB_GRADE_LOG`` names a file, every verdict is appended to it as one JSON
+line: that is how ``python -m kimilab grade`` collects results.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import pkgutil
 import re
 from dataclasses import dataclass
 from typing import Callable
 
+from kimilab.exercises import sealed
 from kimilab.exercises.core import ExerciseResult, check
 
-__all__ = ["check", "ExerciseResult", "Exercise", "exercise", "verify", "all_exercises", "CHAPTERS"]
+__all__ = ["check", "ExerciseResult", "Exercise", "exercise", "verify", "all_exercises", "CHAPTERS",
+           "GRADE_LOG_ENV"]
 
-# chapters whose checkers live here: one module kimilab/exercises/chNN.py each
+# chapters whose checkers live here: one module kimilab/exercises/chNN.py each (none in the student bundle)
 CHAPTERS = tuple(sorted(int(m.name[2:]) for m in pkgutil.iter_modules(__path__) if re.fullmatch(r"ch\d\d", m.name)))
 EXERCISES: dict[str, "Exercise"] = {}
+GRADE_LOG_ENV = "KIMILAB_GRADE_LOG"
 _ID = re.compile(r"^(\d{1,2})\.(\d{1,2})$")
+_ATTEMPTS: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
 class Exercise:
-    """One checked exercise: its id ("6.2"), title, how to compute the answer, a hint."""
+    """One checked exercise: its id ("6.2"), title, how to compute the answer, its hints (concept first)."""
 
     id: str
     title: str
     expected: Callable[[], object]
-    hint: str
+    hints: tuple[str, ...]
     rtol: float = 1e-6
     atol: float = 0.0
 
 
-def exercise(id: str, title: str, *, hint: str, rtol: float = 1e-6, atol: float = 0.0):
-    """Register ``fn`` (no arguments, returns the expected answer) as exercise ``id``."""
+def exercise(id: str, title: str, *, hint: str | tuple[str, ...], rtol: float = 1e-6, atol: float = 0.0):
+    """Register ``fn`` (no arguments, returns the expected answer) as exercise ``id``.
+
+    ``hint`` is one hint or a tuple of them in the order a reader should see them: the
+    concept first, then narrower ones; none may name the call that computes the answer.
+    """
     if not _ID.match(id):
         raise ValueError(f"id={id!r}: expected 'chapter.number', e.g. '6.2'")
+    hints = (hint,) if isinstance(hint, str) else tuple(hint)
 
     def register(fn):
         if id in EXERCISES:
             raise ValueError(f"id={id!r}: registered twice")
-        EXERCISES[id] = Exercise(id, title, fn, hint, rtol, atol)
+        EXERCISES[id] = Exercise(id, title, fn, hints, rtol, atol)
         return fn
 
     return register
@@ -56,6 +76,13 @@ def _load(chapter: int) -> None:
     importlib.import_module(f"kimilab.exercises.ch{chapter:02d}")
 
 
+def _log(id: str, result: ExerciseResult) -> None:
+    path = os.environ.get(GRADE_LOG_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"id": id, "status": result.status, "message": result.message}) + "\n")
+
+
 def verify(id: str, answer, *, verbose: bool = True) -> ExerciseResult:
     """Check ``answer`` for exercise ``id`` ("N.M"); prints and returns the verdict, never raises for a wrong one."""
     m = _ID.match(str(id))
@@ -63,11 +90,21 @@ def verify(id: str, answer, *, verbose: bool = True) -> ExerciseResult:
         raise ValueError(f"id={id!r}: expected 'chapter.number', e.g. '6.2'")
     if int(m.group(1)) in CHAPTERS:
         _load(int(m.group(1)))
-    if id not in EXERCISES:
-        raise ValueError(f"id={id!r}: no such checked exercise; known: {sorted(EXERCISES)}")
-    ex = EXERCISES[id]
-    return check(answer, ex.expected(), name=f"{id} {ex.title}", hint=ex.hint, rtol=ex.rtol, atol=ex.atol,
-                 verbose=verbose)
+    attempt = _ATTEMPTS.get(id, 0) + 1
+    if id in EXERCISES:
+        ex = EXERCISES[id]
+        result = check(answer, ex.expected(), name=f"{id} {ex.title}", hint=ex.hints, rtol=ex.rtol, atol=ex.atol,
+                       verbose=verbose, attempt=attempt)
+    else:
+        key = sealed.load_key()
+        if id not in key:
+            known = sorted(set(EXERCISES) | set(key), key=lambda k: tuple(map(int, k.split("."))))
+            raise ValueError(f"id={id!r}: no such checked exercise; known: {known}")
+        result = sealed.check_sealed(answer, key[id], verbose=verbose, attempt=attempt)
+    if result.status == "wrong":
+        _ATTEMPTS[id] = attempt
+    _log(id, result)
+    return result
 
 
 def all_exercises() -> dict[str, Exercise]:

@@ -10,8 +10,9 @@ GIB = 2**30
 
 
 @exercise("4.1", "requests in an 8 GiB unified pool",
-          hint="pages in the pool = budget // page_bytes; pages per request = its states' pages (ceil per layer) "
-               "+ 7 layers x 256 blocks; divide and round down.")
+          hint=("A request's footprint is whole pages: its fixed states, then its KV pages.",
+                "Round up per layer and per kind, count a request's pages, and see how many whole requests "
+                 "the budget's pages hold."))
 def _():
     s48, layout = CacheShapes.from_config(kimi_linear_48b), UnifiedPages()
     page_bytes = layout.page_bytes(s48)["main"]
@@ -19,12 +20,17 @@ def _():
 
 
 @exercise("4.2", "vLLM's block at 64-token alignment",
-          hint="the smallest multiple of 64 tokens whose MLA page (tokens x 1,152 B) holds one KDA layer's states.")
+          hint=("vLLM makes every layer's page the same size, so an attention block must be large enough to "
+                 "hold one KDA layer's states.",
+                "The block's token count is a multiple of the alignment; take the smallest one whose "
+                 "attention page holds the states."))
 def _():
     return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200, align_tokens=64).block_tokens
 
 
 @exercise("4.3", "padding of one vLLM state page",
-          hint="one layer's page (1,888 tokens x 1,152 B) minus one KDA layer's recurrent + conv state.")
+          hint=("Equal-size pages: a state page is as big as an attention block's page, whatever the state "
+                 "needs.",
+                "Padding is the page's bytes minus one KDA layer's recurrent and conv state bytes."))
 def _():
     return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200).state_padding_bytes

@@ -12,18 +12,22 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 
 
 @exercise("6.1", "checkpoint pages at 256-token blocks",
-          hint="ceil(checkpoint_bytes / (256 x kv_bytes_per_token)); smaller pages, more of them.")
+          hint=("A checkpoint is stored in pool pages, and a page holds one block of KV.",
+                "Divide a checkpoint's bytes by one 256-token KV page's bytes, rounding up."))
 def _():
     return -(-costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200) // (256 * costs.kv_bytes_per_token(kimi_linear_48b, costs.ONE_H200)))
 
 
-@exercise("6.2", "checkpoints in 10 GB", hint="10e9 // costs.checkpoint_bytes(kimi_linear_48b): whole checkpoints.")
+@exercise("6.2", "checkpoints in 10 GB",
+          hint=("Only whole checkpoints count, and GB here is decimal: 10 GB is 10 x 10^9 bytes.",
+                "Divide the budget by one 48B checkpoint's bytes and round down."))
 def _():
     return int(10e9 // costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200))
 
 
 @exercise("6.3", "ends at 20 GB on the real trace", rtol=2e-3,
-          hint="replay the whole real trace with policy 'ends' at 20 GB (sim.Replay / sim.replay, or the chapter's "
-               "runs) and take usable_hit_rate.")
+          hint=("A usable hit needs a KV hit and a state checkpoint at the same place.",
+                "Replay the whole real trace once with the ends policy at a 20 GB budget and read its usable "
+                 "hit rate."))
 def _():
     return replay(Replay(str(DATA / MOONCAKE_CONVERSATION), "ends", 20, costs.ONE_H200)).usable_hit_rate

@@ -6,17 +6,22 @@ from kimilab.exercises import exercise
 
 
 @exercise("8.1", "bytes of a raw record per token at 48B, bf16",
-          hint="per layer: raw conv inputs (3 x H x K) + g (H x K) + beta (H); times 20 KDA layers and 2 bytes.")
+          hint=("A raw record keeps what replay needs to recompute k and v, not k and v themselves.",
+                "Per token and layer: the conv inputs of q, k and v, the gate g and beta; in bf16, over all "
+                 "KDA layers."))
 def _():
     return spec_costs.record_bytes_per_token(kimi_linear_48b, ONE_H200, "raw", 2)
 
 
-@exercise("8.2", "smallest ring window for k=6", hint="a verify holds the last committed token and k drafts.")
+@exercise("8.2", "smallest ring window for k=6",
+          hint=("A verify step must be able to roll back to any verified position.",
+                "Count the positions one verify step holds before acceptance is known."))
 def _():
     return 7
 
 
 @exercise("8.3", "GFLOP to replay 5 positions at 48B", rtol=1e-3,
-          hint="kda.recurrent_kda_flops(5, H, K, V) per KDA layer, times the 20 KDA layers, / 1e9.")
+          hint=("Replay re-runs only the recurrent state update, layer by layer, for each kept position.",
+                "Count one KDA layer's recurrent FLOPs for 5 positions, times the KDA layers, in GFLOP."))
 def _():
     return spec_costs.replay_flops(kimi_linear_48b, 5) / 1e9

@@ -4,17 +4,22 @@ from kimilab import cp
 from kimilab.exercises import exercise
 
 
-@exercise("9.1", "bytes of one rank's transition", hint="(M, C): H K (K + V) values of 4 bytes each in float32.")
+@exercise("9.1", "bytes of one rank's transition",
+          hint=("A rank's transition is the pair (M, C): M is K x K and C is K x V, per head.",
+                "Count the numbers in M and C over all heads, times 4 bytes."))
 def _():
     return 32 * 128 * (128 + 128) * 4
 
 
 @exercise("9.2", "critical-path steps of the sequential pass at P = 16",
-          hint="cp.scheme_costs(16, H, K, V)['sequential']['steps']: each rank waits for the one before.")
+          hint=("In the sequential scheme each rank waits for the state of the rank before it.",
+                "Count the hand-offs along the chain of P ranks."))
 def _():
     return cp.scheme_costs(16, 1, 1, 1)["sequential"]["steps"]
 
 
-@exercise("9.3", "rank 0's tokens in a balanced split", hint="cp.split_bounds(10_000, 4, cp.balanced_weights(4, 2.0))[1]")
+@exercise("9.3", "rank 0's tokens in a balanced split",
+          hint=("Rank 0 starts from the true initial state, so it needs no correction pass.",
+                "Give each rank a share of the tokens inversely proportional to its cost per token."))
 def _():
     return cp.split_bounds(10_000, 4, cp.balanced_weights(4, 2.0))[1]

@@ -10,20 +10,25 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 
 
 @exercise("10.1", "one decode step", rtol=1e-6,
-          hint="costs.decode_step_seconds(kimi_linear_48b, 8192, 64): seconds, on the default deployment.")
+          hint=("A decode step reads the weights and every request's cache; on the roofline the larger of "
+                 "compute and memory time wins.",
+                "Price one step of 64 requests at 8,192 tokens each on the chapter's default deployment."))
 def _():
     return costs.decode_step_seconds(kimi_linear_48b, costs.DEFAULT_DEPLOYMENT, 8192, 64)
 
 
 @exercise("10.2", "a tenant's reserved pages",
-          hint="pool pages = capacity_tokens // 512; each of the 2 tenants reserves 0.5 / 2 of them (int()).")
+          hint=("A quota reserves a fraction of one instance's pool pages for a tenant.",
+                "Convert the capacity to pages (512-token blocks), take the share each tenant reserves, round"
+                 " down."))
 def _():
     return int(0.25 * (1_000_000 // 512))
 
 
 @exercise("10.3", "least-loaded's usable hit", rtol=1e-9,
-          hint="run_fleet on the first 1,000 requests of the real trace, 4 instances, 'least-loaded', "
-               "capacity_tokens=2_000_000, rate_scale=1; take usable_hit_rate().")
+          hint=("A load-only router ignores where a conversation's prefix is cached.",
+                "Run the fleet on the first 1,000 requests of the real trace with the chapter's settings and "
+                 "the load-only router; read the usable hit rate."))
 def _():
     from kimilab.fleet import run_fleet
     from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace

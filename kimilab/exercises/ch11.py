@@ -7,27 +7,31 @@ from kimilab.experiment import second_request, sessions
 from kimilab.model import Model
 
 
-@exercise("11.1", "FLOPs of a cold 1,112-token prefill", hint="costs.prefill_flops(tiny, 1112): nothing cached.")
+@exercise("11.1", "FLOPs of a cold 1,112-token prefill",
+          hint=("With nothing cached, every prompt token is prefilled through every layer.",
+                "Count the reduced model's prefill FLOPs for all 1,112 tokens."))
 def _():
     return costs.prefill_flops(tiny, 1112)
 
 
 @exercise("11.2", "snapshot scratch at k = 4",
-          hint="k + 1 verified positions, one checkpoint (every KDA and conv state) each: costs.checkpoint_bytes.")
+          hint=("The snapshot rollback keeps one full checkpoint per verified position.",
+                "Verified positions are k + 1; multiply by the tiny model's checkpoint bytes."))
 def _():
     return 5 * costs.checkpoint_bytes(tiny, costs.LOCAL)
 
 
 @exercise("11.3", "tokens turn 2 computes under dual (agent)",
-          hint="the chapter's rows['agent', 'prefix:dual']['prefill_tokens']: turn 2, minus the hits.")
+          hint=("After a usable hit, turn 2 prefills only the tokens past the last checkpoint it matched.",
+                "Read it off the chapter's Part A table for the agent workload under the dual prefix cache."))
 def _():
     cost, _ = second_request(Model(tiny, seed=0), "prefix:dual", sessions("agent", 1, 0, tiny.vocab_size), n_out=12)
     return cost.prefill_tokens
 
 
 @exercise("11.4", "a fixed fleet's cost per million output tokens",
-          hint="8 instances x 8 accelerators x 3,600 s, in hours, times 2 USD, per 4,000,000 output tokens, "
-               "times 1e6 (kimilab.experiment.cost_per_m_output).")
+          hint=("Rent is paid per accelerator-hour, whether busy or idle.",
+                "Total accelerator-hours times the price, divided by the output tokens in millions."))
 def _():
     from kimilab.experiment import cost_per_m_output
 

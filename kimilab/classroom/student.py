@@ -1,8 +1,6 @@
-"""The classroom edition: every chapter without its solutions, for students.
+"""The student notebook: one chapter without its solutions and without outputs.
 
-``python -m kimilab student`` (what ``make student`` runs) writes
-``student/NN_slug.ipynb`` for every executed chapter with nbconvert's own
-preprocessors:
+:func:`student_notebook` runs nbconvert's own preprocessors over an executed chapter:
 
 1. :class:`StubSolutions` puts a stub before every code cell tagged ``solution``
    -- ``raise NotImplementedError("exercise N.M")``, N.M read from the
@@ -13,7 +11,8 @@ preprocessors:
 3. ``ClearOutputPreprocessor`` clears all outputs: the student runs the chapter.
 
 The teacher's edition is the book itself (``chapters/``), where the solutions run
-and each ``verify`` prints "correct".
+and each ``verify`` prints "correct". :mod:`kimilab.classroom.bundle` puts these
+notebooks in the student bundle.
 """
 
 from __future__ import annotations
@@ -23,14 +22,25 @@ from pathlib import Path
 
 from nbconvert.preprocessors import ClearOutputPreprocessor, Preprocessor, TagRemovePreprocessor
 
-__all__ = ["SOLUTION_TAG", "StubSolutions", "exercise_ids", "student_notebook", "write_student_edition"]
+__all__ = ["SOLUTION_TAG", "StubSolutions", "exercise_ids", "student_notebook", "chapter_notebooks", "stub_id"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
-STUDENT = ROOT / "student"
 SOLUTION_TAG = "solution"
-_VERIFY = re.compile(r"""\bverify\(\s*["'](\d+\.\d+)["']""")
+VERIFY = re.compile(r"""\bverify\(\s*["'](\d+\.\d+)["']""")
+_STUB = re.compile(r'raise NotImplementedError\("exercise (\d+\.\d+)"\)')
 _NOTEBOOK = re.compile(r"^\d\d_[a-z0-9_]+\.ipynb$")
+
+
+def chapter_notebooks(folder: Path = CHAPTERS) -> list[Path]:
+    """The executed chapters ``NN_slug.ipynb``, in order."""
+    return sorted(p for p in folder.glob("*.ipynb") if _NOTEBOOK.match(p.name))
+
+
+def stub_id(source: str) -> str | None:
+    """"N.M" if a code cell is the stub of exercise N.M (a student has not replaced it), else None."""
+    m = _STUB.search(source)
+    return m.group(1) if m else None
 
 
 def _is_solution(cell) -> bool:
@@ -44,7 +54,7 @@ def exercise_ids(nb) -> list[tuple[int, str]]:
         if cell.cell_type != "code" or not _is_solution(cell):
             continue
         later = (c for c in nb.cells[i + 1:] if c.cell_type == "code" and not _is_solution(c))
-        m = next((_VERIFY.search(c.source) for c in later), None)
+        m = next((VERIFY.search(c.source) for c in later), None)
         if m is None:
             raise ValueError(f"cell {i}: a solution cell with no verify('N.M', ...) after it")
         out.append((i, m.group(1)))
@@ -81,23 +91,3 @@ def student_notebook(path: Path):
                  ClearOutputPreprocessor()):
         nb, resources = step.preprocess(nb, resources)
     return nb
-
-
-def write_student_edition(out: Path = STUDENT) -> list[Path]:
-    """Write ``out/NN_slug.ipynb`` for every chapter; returns the paths."""
-    import nbformat
-
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path in sorted(p for p in CHAPTERS.glob("*.ipynb") if _NOTEBOOK.match(p.name)):
-        target = out / path.name
-        nbformat.write(student_notebook(path), target)
-        written.append(target)
-    return written
-
-
-def main() -> int:
-    written = write_student_edition()
-    n = sum(len(exercise_ids(__import__("nbformat").read(CHAPTERS / p.name, as_version=4))) for p in written)
-    print(f"student edition: {len(written)} chapters, {n} exercises stubbed, in {STUDENT.relative_to(ROOT)}/")
-    return 0
