@@ -745,7 +745,7 @@ plt.show()
 # %% [markdown]
 # *Takeaway:* at batch 1 the model follows both of Figure 7's panels (decode within 11%,
 # prefill within 27% except the hybrid's 4K prefill), but at serving batch, the only
-# regime the check rows test, it predicts 16.5–37.4% fewer tokens per second than
+# regime the check rows test, it predicts 16–37% fewer tokens per second than
 # SGLang measured on a peer model.
 #
 # What the fit rests on, plainly:
@@ -757,7 +757,7 @@ plt.show()
 # - **All 36 fitted rows are at batch 1** (prefill of one prompt, decode of one request).
 #   Nothing in the fit sees the expert union, the collectives or the cache reads of a
 #   serving batch. The only rows at batch > 1 are the peer check, and there the model is
-#   **16.5–37.4% slow** (too few tokens per second; three of the five rows, SGLang on H200
+#   **16–37% slow** (too few tokens per second; three of the five rows, SGLang on H200
 #   at concurrency 8, are beyond 30%). It is another model, served by another engine with
 #   its own kernels, so this bounds the error rather than correcting it.
 # - **Figure 1(b)'s batch is not stated**: its 1.84 ms and 11.48 ms at 1M tokens are far
@@ -855,7 +855,6 @@ fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, bbo
 plots.save(fig, "ch03-step-ratio")
 plt.show()
 
-# %%
 serving = np.isin(grid_B, (64, 128, 256, 512))
 for dep in (tp4, dp4):
     r = ratio[dep.name]
@@ -1203,7 +1202,7 @@ print("C1 + C2 (adding the halves) == state after 100 tokens:", bool(np.abs(C1 +
 # - A step is one forward pass: per-layer overhead, collectives, the weights (the
 #   experts' union, uniform routing assumed), each request's cache. Its five kernel
 #   numbers are fitted to the report's Figure 7 (rms error 13.8%, one row beyond 30%);
-#   SGLang serving runs of a peer model say it is 16.5–37.4% slow at serving batch.
+#   SGLang serving runs of a peer model say it is 16–37% slow at serving batch.
 # - At serving batch the hybrid gains throughput at long context (3.5–3.8× at the largest
 #   batch that fits, 128k–1M, both deployments), not TPOT; at 256–1,024 tokens and batch
 #   64–512 its step is up to 13.4% (TP4) or 18.0% (DP4-EP4) *slower* than all-MLA's.
@@ -1287,7 +1286,7 @@ answer = groups * 7 * page - len(kimi_linear_48b.kda_layers) * state_layer
 verify("3.6", answer)
 
 # %% [markdown]
-# **3.7 Long requests at TP8.** How many hybrid requests of 524,288 tokens fit at once in
+# **3.7 Long requests at TP8.** How many hybrid requests of 500,000 tokens fit at once in
 # the TP8 instance (`costs.VLLM_TP8_H200`: 8 H200s, 90% of each device's HBM for the
 # engine, its share of the weights and a 4 GB activation reserve not cache)? And how many
 # on DP4-EP4 (`costs.DP4_EP4_H200`), with half the devices? Give the TP8 number, then
@@ -1295,9 +1294,9 @@ verify("3.6", answer)
 
 # %% tags=["solution"]
 per_device = costs.cache_budget_bytes(kimi_linear_48b, tp8)
-per_request = costs.request_total_bytes(kimi_linear_48b, tp8, 524_288)  # whole latent + 1/8 of the state
+per_request = costs.request_total_bytes(kimi_linear_48b, tp8, 500_000)  # whole latent + 1/8 of the state
 answer = int(per_device // per_request)  # TP: every device holds a share of every request
-print(f"TP8: {answer}; DP4-EP4: {costs.max_batch(kimi_linear_48b, costs.DP4_EP4_H200, 524_288)}")
+print(f"TP8: {answer}; DP4-EP4: {costs.max_batch(kimi_linear_48b, costs.DP4_EP4_H200, 500_000)}")
 
 # %%
 verify("3.7", answer)

@@ -135,7 +135,8 @@ def test_the_grader_writes_one_row_per_exercise(tmp_path):
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == FIELDS
     status = {r["exercise"]: (r["status"], r["points"]) for r in rows}
-    assert status == {"1.1": ("correct", "1"), "1.2": ("wrong", "0"), "1.3": ("unanswered", "0")}, rows
+    assert status == {"1.1": ("correct", "1"), "1.2": ("wrong", "0"), "1.3": ("unanswered", "0"),
+                      "1.6": ("unanswered", "0")}, rows
     assert all(r["notebook"] == str(notebook) and r["chapter"] == "1" for r in rows)
 
 

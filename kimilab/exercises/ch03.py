@@ -37,9 +37,9 @@ def _():
     return pages.checkpoint_padding_bytes
 
 
-@exercise("3.7", "524,288-token hybrid requests at TP8",
+@exercise("3.7", "500,000-token hybrid requests at TP8",
           hint=("Under tensor parallelism every device holds a share of every request.",
                 "That share is the whole MLA latent and an eighth of the states; divide one device's cache "
                 "budget by it, rounding down."))
 def _():
-    return costs.max_batch(kimi_linear_48b, costs.VLLM_TP8_H200, 524288)
+    return costs.max_batch(kimi_linear_48b, costs.VLLM_TP8_H200, 500_000)

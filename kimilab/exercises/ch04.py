@@ -14,7 +14,7 @@ GIB = 2**30
                 "Round up per layer and per kind, count a request's pages, and see how many whole requests "
                  "the budget's pages hold."))
 def _():
-    s48, layout = CacheShapes.from_config(kimi_linear_48b), UnifiedPages()
+    s48, layout = CacheShapes.from_config(kimi_linear_48b, costs.ONE_H200), UnifiedPages()
     page_bytes = layout.page_bytes(s48)["main"]
     return (8 * GIB // page_bytes) // (layout.footprint(s48, 4096).reserved_bytes // page_bytes)
 

@@ -72,8 +72,7 @@ def _copy_mathjax(static: Path) -> None:
 def _link_rewrite(text: str) -> str:
     """Links from the markdown pages to chapters point at the rendered chapter documents."""
     text = re.sub(r"\]\((?:\.\./)?chapters/(\d\d_[a-z0-9_]+)\.(?:py|ipynb)", r"](\1.ipynb", text)
-    text = re.sub(r"\]\((?:\.\./)?chapters/references\.md", "](references.md", text)
-    return re.sub(r"\]\((?:\.\./)?teacher/([a-z_]+\.md)", r"](\1", text)
+    return re.sub(r"\]\((?:\.\./)?chapters/(references|teacher_answers)\.md", r"](\1.md", text)
 
 
 def _index(books: list[tuple[str, str]], pages: list[tuple[str, str]], edition: str) -> str:
