@@ -11,7 +11,7 @@ from __future__ import annotations
 from kimilab import config
 from kimilab.costs import DEFAULT_DEPLOYMENT as DEPLOYMENT, spec as spec_costs
 from kimilab.model import Model
-from kimilab.spec import rollback_timings
+from kimilab.speculative import rollback_timings
 
 K = 8
 

@@ -38,7 +38,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kimilab import costs, plots, spec
+from kimilab import costs, plots, speculative as spec
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.costs import spec as spec_costs
 from kimilab.exercises import verify

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
 
-from kimilab import spec
+from kimilab import speculative as spec
 from kimilab.config import tiny
 from kimilab.model import HybridCache, Model
 from kimilab.pool import PagedHybridCache, PagePool

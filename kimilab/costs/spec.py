@@ -15,7 +15,7 @@ KDA state; rejecting drafts means going back. Three ways (chapters 7 and 8):
 What a record holds per token and KDA layer decides the saving (:data:`RECORD_KEEPS`):
 
 * ``"post-conv"`` -- k, v, g (H*K each), beta (H) and the raw conv inputs q|k|v (3*H*K):
-  what :mod:`kimilab.spec` stores, replayable without any weight;
+  what :mod:`kimilab.speculative` stores, replayable without any weight;
 * ``"raw"``       -- the raw conv inputs, g and beta: k and v are recomputed through
   the short conv (and SiLU, L2 norm) before the replay;
 * ``"low-rank"``  -- the raw conv inputs, beta, and the gate's low-rank input f_a(x)

@@ -13,8 +13,8 @@ import numpy as np
 
 from kimilab.model import Model
 from kimilab.pool import PagePool
-from kimilab.spec.loop import make_rollback
-from kimilab.spec.verify import verify
+from kimilab.speculative.loop import make_rollback
+from kimilab.speculative.verify import verify
 from kimilab.validate import check_int
 
 __all__ = ["rollback_timings"]

@@ -23,10 +23,10 @@ import numpy as np
 
 from kimilab.model import CacheProtocol, Model
 from kimilab.pool import PagedHybridCache, PagePool
-from kimilab.spec.drafters import Drafter
-from kimilab.spec.replay import ReplayRollback, RingRollback
-from kimilab.spec.rollback import Rollback, SnapshotRollback, TrimOnly
-from kimilab.spec.verify import greedy_accept, verify
+from kimilab.speculative.drafters import Drafter
+from kimilab.speculative.replay import ReplayRollback, RingRollback
+from kimilab.speculative.rollback import Rollback, SnapshotRollback, TrimOnly
+from kimilab.speculative.verify import greedy_accept, verify
 from kimilab.validate import check_choice, check_int
 
 __all__ = ["ROLLBACKS", "StepStats", "SpecResult", "make_rollback", "speculative_generate"]
@@ -129,7 +129,7 @@ def speculative_generate(model: Model, prompt_tokens: Sequence[int], max_new_tok
     if not isinstance(model, Model):
         raise ValueError(f"model: expected a kimilab.model.Model, got {type(model).__name__}")
     if not isinstance(drafter, Drafter):
-        raise ValueError(f"drafter: expected a kimilab.spec.Drafter, got {type(drafter).__name__}")
+        raise ValueError(f"drafter: expected a kimilab.speculative.Drafter, got {type(drafter).__name__}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     k = check_int("k", k, 1, unit="draft tokens per step")
     check_choice("rollback", rollback, ROLLBACKS)

@@ -25,8 +25,8 @@ import numpy as np
 from kimilab.config import ModelConfig
 from kimilab.model import CacheProtocol, StateCheckpoint
 from kimilab.pool import PagePool
-from kimilab.spec.scratch import ScratchSlots, checkpoint_layout
-from kimilab.spec.verify import VerifyView, conv_after, state_steps
+from kimilab.speculative.scratch import ScratchSlots, checkpoint_layout
+from kimilab.speculative.verify import VerifyView, conv_after, state_steps
 from kimilab.validate import check_int
 
 __all__ = ["Rollback", "TrimOnly", "SnapshotRollback", "checkpoint_at"]

@@ -22,9 +22,9 @@ import numpy as np
 from kimilab.config import ModelConfig
 from kimilab.model import CacheProtocol
 from kimilab.pool import PagePool
-from kimilab.spec.rollback import Rollback, checkpoint_at
-from kimilab.spec.scratch import ScratchSlots, conv_row_layout, record_layout
-from kimilab.spec.verify import VerifyView, conv_after, state_steps
+from kimilab.speculative.rollback import Rollback, checkpoint_at
+from kimilab.speculative.scratch import ScratchSlots, conv_row_layout, record_layout
+from kimilab.speculative.verify import VerifyView, conv_after, state_steps
 from kimilab.validate import check_int
 
 __all__ = ["ReplayRollback", "RingRollback"]

@@ -11,13 +11,13 @@ One concept per module, in the order the chapters build them:
 * ``measure``   rollback wall-clock time on the reduced model
 """
 
-from kimilab.spec.drafters import ControlledDrafter, Drafter, DraftModelDrafter, NgramDrafter
-from kimilab.spec.loop import ROLLBACKS, SpecResult, StepStats, make_rollback, speculative_generate
-from kimilab.spec.measure import rollback_timings
-from kimilab.spec.replay import ReplayRollback, RingRollback
-from kimilab.spec.rollback import Rollback, SnapshotRollback, TrimOnly, checkpoint_at
-from kimilab.spec.scratch import ScratchSlots, SlotLayout, checkpoint_layout, conv_row_layout, record_layout
-from kimilab.spec.verify import VerifyView, conv_after, greedy_accept, state_steps, verify
+from kimilab.speculative.drafters import ControlledDrafter, Drafter, DraftModelDrafter, NgramDrafter
+from kimilab.speculative.loop import ROLLBACKS, SpecResult, StepStats, make_rollback, speculative_generate
+from kimilab.speculative.measure import rollback_timings
+from kimilab.speculative.replay import ReplayRollback, RingRollback
+from kimilab.speculative.rollback import Rollback, SnapshotRollback, TrimOnly, checkpoint_at
+from kimilab.speculative.scratch import ScratchSlots, SlotLayout, checkpoint_layout, conv_row_layout, record_layout
+from kimilab.speculative.verify import VerifyView, conv_after, greedy_accept, state_steps, verify
 
 __all__ = [
     "Drafter", "NgramDrafter", "DraftModelDrafter", "ControlledDrafter",
