@@ -1,16 +1,25 @@
-"""Drafters: cheap guesses of the next k tokens, behind one small interface.
+"""Drafters: cheap guesses of the next tokens -- a chain of k, or a tree -- behind one small interface.
 
 ``drafter.propose(tokens, k)`` gets every token so far (prompt + generated) and returns
-at most ``k`` guesses. Three kinds:
+at most ``k`` guesses in a row; ``drafter.propose_tree(tokens, widths)`` returns a
+:class:`~kimilab.speculative.tree.DraftTree` in which every node at depth d has
+``widths[d]`` children (depth 0: the last committed token). Three kinds:
 
 * :class:`NgramDrafter` -- prompt lookup: find the last n tokens earlier in the text and
-  propose what followed them (the idea of vLLM's ``ngram`` proposer). Free to run.
-* :class:`DraftModelDrafter` -- a smaller model's greedy continuation.
+  propose what followed them (the idea of vLLM's ``ngram`` proposer). Free to run; chains.
+* :class:`DraftModelDrafter` -- a smaller model: its greedy continuation, or a tree of its
+  top-ranked tokens at every node (the static trees of Medusa / EAGLE).
 * :class:`ControlledDrafter` -- a *test instrument*, not a drafter anyone would deploy:
-  it proposes the target's own greedy continuation, each token replaced by a wrong one
-  with probability ``corruption`` (seeded). Our models are untrained, so a real draft
-  model agrees with the target about as often as chance; this drafter is how the book
-  sweeps the acceptance rate from 0 to 1 on purpose.
+  it knows the target's own greedy continuation and guesses it right with a chosen
+  probability. Our models are untrained, so a real draft model agrees with the target
+  about as often as chance; this drafter is how the book sweeps acceptance on purpose.
+
+One name per notion of acceptance: the **acceptance probability** alpha_d is the chance
+that the draft at depth d is accepted given every draft before it was (what a drafter
+controls); the **accepted fraction** is accepted drafts / proposed drafts, what a run
+measures (:attr:`~kimilab.speculative.SpecResult.accepted_fraction`). For a chain with
+constant alpha the accepted fraction is (alpha + alpha^2 + ... + alpha^k) / k
+(:func:`kimilab.costs.spec.accepted_fraction`).
 """
 
 from __future__ import annotations
@@ -21,9 +30,24 @@ from typing import Sequence
 import numpy as np
 
 from kimilab.model import Model
+from kimilab.speculative.tree import DraftTree
 from kimilab.validate import check_float, check_int
 
 __all__ = ["Drafter", "NgramDrafter", "DraftModelDrafter", "ControlledDrafter"]
+
+
+def _widths(widths) -> tuple:
+    widths = tuple(widths)
+    if not widths:
+        raise ValueError("widths: expected at least one depth (children per node at each depth)")
+    return tuple(check_int(f"widths[{d}]", w, 1) for d, w in enumerate(widths))
+
+
+def _probability(name: str, value) -> float:
+    p = check_float(name, value, minimum=0.0)
+    if p > 1.0:
+        raise ValueError(f"{name}={value!r}: expected a probability in [0, 1]")
+    return p
 
 
 class Drafter(ABC):
@@ -33,7 +57,15 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """At most ``k`` guessed token ids (possibly none)."""
+        """At most ``k`` guessed token ids in a row (possibly none)."""
+
+    def propose_tree(self, tokens: Sequence[int], widths: Sequence[int]) -> DraftTree:
+        """A tree of guesses (``widths[d]`` children per node at depth d). A chain drafter
+        can only make the chain ``widths = (1, 1, ...)``."""
+        widths = _widths(widths)
+        if any(w != 1 for w in widths):
+            raise ValueError(f"widths={list(widths)}: {type(self).__name__} proposes chains only")
+        return DraftTree.chain(self.propose(tokens, len(widths)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -64,11 +96,12 @@ class NgramDrafter(Drafter):
 
 
 class DraftModelDrafter(Drafter):
-    """The greedy continuation of a smaller ``draft`` model (same vocabulary as the target).
+    """A smaller ``draft`` model (same vocabulary as the target): its greedy continuation, or
+    a tree of its top-ranked tokens.
 
-    Each proposal re-reads the whole text from scratch: simple, and on the tiny model
-    cheap. A serving engine keeps the draft model's cache too -- and must roll *it* back
-    after every verify, the same problem in small.
+    Each proposal re-reads the text from scratch: simple, and on the tiny model cheap. A
+    serving engine keeps the draft model's cache too -- and must roll *it* back after
+    every verify, the same problem in small.
     """
 
     name = "draft-model"
@@ -82,61 +115,116 @@ class DraftModelDrafter(Drafter):
         k = check_int("k", k, 0)
         return self.draft.generate(list(tokens), k) if k else []
 
+    def propose_tree(self, tokens: Sequence[int], widths: Sequence[int]) -> DraftTree:
+        """Every node's children are the draft model's ``widths[d]`` most likely next tokens."""
+        widths = _widths(widths)
+        text = list(tokens)
+        out_tokens, parents, level = [], [], [(-1, [])]
+        for w in widths:
+            nxt = []
+            for parent, path in level:
+                logits = self.draft.prefill(text + path, self.draft.new_cache())[-1]
+                for t in np.argsort(-logits, kind="stable")[:w]:
+                    out_tokens.append(int(t))
+                    parents.append(parent)
+                    nxt.append((len(out_tokens) - 1, path + [int(t)]))
+            level = nxt
+        return DraftTree(tuple(out_tokens), tuple(parents))
+
     def __repr__(self) -> str:
         return f"DraftModelDrafter({self.draft!r})"
 
 
 class ControlledDrafter(Drafter):
-    """The target's greedy continuation of ``prompt_tokens``, corrupted at a seeded rate.
+    """The target's greedy continuation of ``prompt_tokens``, guessed right at a chosen rate.
 
-    ``reference`` is the target's own greedy output (``n_tokens`` of it, from
-    ``target.generate``). The draft for continuation position p is ``reference[p]``,
-    replaced with probability ``corruption`` by a different token; the choice depends
-    only on (seed, p), so asking twice gives the same guess. Past the reference it
-    proposes nothing. Each draft is accepted with probability 1 - corruption as long as
-    the text so far is the target's greedy text.
+    ``reference`` is the target's own greedy output (``n_tokens`` of it). A draft at depth
+    d (1 = the first draft of a step) is the right token with acceptance probability
+    ``alpha_d = (1 - corruption) * decay ** (d - 1)`` -- constant when ``decay`` is 1, falling
+    with depth otherwise, as a real drafter's does -- and a wrong one otherwise. Draws depend
+    only on (seed, continuation position, depth, sibling), so asking twice gives the same
+    guesses. Past the reference a chain proposes nothing.
+
+    In a tree, the children of a node on the target's greedy path are tried in order: each
+    is the right token with probability alpha_d if no earlier sibling was; so a node with b
+    children continues the accepted path with probability 1 - (1 - alpha_d)^b.
     """
 
     name = "controlled"
 
     def __init__(self, target: Model, prompt_tokens: Sequence[int], n_tokens: int, corruption: float,
-                 seed: int = 0) -> None:
+                 seed: int = 0, *, decay: float = 1.0) -> None:
         if not isinstance(target, Model):
             raise ValueError(f"target: expected a kimilab.model.Model, got {type(target).__name__}")
-        c = check_float("corruption", corruption, minimum=0.0)
-        if c > 1.0:
-            raise ValueError(f"corruption={corruption!r}: expected a probability in [0, 1]")
-        self.corruption, self.seed = c, check_int("seed", seed, 0)
+        self.corruption = _probability("corruption", corruption)
+        self.decay = _probability("decay", decay)
+        self.seed = check_int("seed", seed, 0)
         self.prompt_len = len(list(prompt_tokens))
         self.vocab = target.config.vocab_size
         self.reference = target.generate(list(prompt_tokens), check_int("n_tokens", n_tokens, 0))
 
-    def with_corruption(self, corruption: float, seed: int | None = None) -> "ControlledDrafter":
-        """The same reference, another corruption rate (and seed): no second greedy run."""
-        c = check_float("corruption", corruption, minimum=0.0)
-        if c > 1.0:
-            raise ValueError(f"corruption={corruption!r}: expected a probability in [0, 1]")
+    def with_corruption(self, corruption: float, seed: int | None = None, *,
+                        decay: float | None = None) -> "ControlledDrafter":
+        """The same reference, another corruption rate (and seed, decay): no second greedy run."""
         out = object.__new__(ControlledDrafter)
         out.__dict__.update(self.__dict__)
-        out.corruption = c
+        out.corruption = _probability("corruption", corruption)
         out.seed = self.seed if seed is None else check_int("seed", seed, 0)
+        out.decay = self.decay if decay is None else _probability("decay", decay)
         return out
 
-    def guess(self, p: int) -> int:
-        """The draft for continuation position ``p`` (0 = the first generated token)."""
-        rng = np.random.default_rng([self.seed, p])
-        true = self.reference[p]
-        if rng.random() < self.corruption:
-            return int((true + 1 + rng.integers(self.vocab - 1)) % self.vocab)
-        return int(true)
+    def alpha(self, depth: int) -> float:
+        """The acceptance probability of a draft at ``depth`` (1 = first)."""
+        return (1.0 - self.corruption) * self.decay ** (check_int("depth", depth, 1) - 1)
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        k = check_int("k", k, 0)
+    def _right(self, p: int, depth: int, sibling: int = 0) -> bool:
+        return bool(np.random.default_rng([self.seed, p, depth, sibling]).random() < self.alpha(depth))
+
+    def _wrong(self, p: int, depth: int, sibling: int, avoid: set) -> int:
+        rng = np.random.default_rng([self.seed, p, depth, sibling, 1])
+        while True:
+            t = int(rng.integers(self.vocab))
+            if t not in avoid:
+                return t
+
+    def guess(self, p: int, depth: int = 1) -> int:
+        """The chain draft for continuation position ``p`` (0 = the first generated token) at ``depth``."""
+        true = int(self.reference[p])
+        return true if self._right(p, depth) else self._wrong(p, depth, 1000 * (depth - 1), {true})
+
+    def _position(self, tokens: Sequence[int]) -> int:
         p = len(tokens) - self.prompt_len
         if p < 0:
             raise ValueError(f"tokens: expected at least the {self.prompt_len} prompt tokens, got {len(tokens)}")
-        return [self.guess(q) for q in range(p, min(p + k, len(self.reference)))]
+        return p
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        k = check_int("k", k, 0)
+        p = self._position(tokens)
+        return [self.guess(q, q - p + 1) for q in range(p, min(p + k, len(self.reference)))]
+
+    def propose_tree(self, tokens: Sequence[int], widths: Sequence[int]) -> DraftTree:
+        widths = _widths(widths)
+        p0 = self._position(tokens)
+        out_tokens, parents, level = [], [], [(-1, True)]  # (node, is it on the greedy path?)
+        for depth, w in enumerate(widths, 1):
+            p, nxt = p0 + depth - 1, []
+            true = int(self.reference[p]) if p < len(self.reference) else None
+            for parent, on_path in level:
+                found = not (on_path and true is not None)  # off the path, nothing can be accepted
+                used = set() if true is None else {true}
+                for s in range(w):
+                    if not found and self._right(p, depth, s):
+                        t, right, found = true, True, True
+                    else:
+                        t, right = self._wrong(p, depth, s + 1000 * (parent + 1), used), False
+                    used.add(t)
+                    out_tokens.append(t)
+                    parents.append(parent)
+                    nxt.append((len(out_tokens) - 1, on_path and right))
+            level = nxt
+        return DraftTree(tuple(out_tokens), tuple(parents))
 
     def __repr__(self) -> str:
-        return (f"ControlledDrafter(corruption={self.corruption}, seed={self.seed}, "
+        return (f"ControlledDrafter(corruption={self.corruption}, decay={self.decay}, seed={self.seed}, "
                 f"reference={len(self.reference)} tokens)")

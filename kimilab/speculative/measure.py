@@ -1,4 +1,4 @@
-"""Rollback wall-clock time on the reduced model: what ``save`` and ``restore`` cost, per strategy.
+"""Rollback wall-clock time on the reduced model: what ``current``, ``save`` and ``restore`` cost.
 
 CPU seconds of numpy code, measured side by side in one process (best of a few runs):
 useful as ratios between strategies on this machine, not as GPU predictions. The
@@ -20,15 +20,16 @@ from kimilab.validate import check_int
 __all__ = ["rollback_timings"]
 
 _PAGE_BYTES = 4096
+_WARM = 3  # untimed steps first: the rings' one-time allocation, and a lazy ring's history
 
 
 def rollback_timings(model: Model, rollback: str, k: int, keeps: Iterable[int], *, prompt_len: int = 64,
-                     repeats: int = 5, seed: int = 0) -> dict[int, dict[str, float]]:
-    """{keep: {"save": s, "restore": s}}: best seconds of one step's save and restore.
+                     repeats: int = 5, seed: int = 0, ring_len: int | None = None) -> dict[int, dict[str, float]]:
+    """{keep: {"current": s, "save": s, "restore": s}}: best seconds of one step's parts.
 
-    Each run clones a prefilled cache, makes a fresh strategy, does one untimed step
-    (so the ring's one-time allocation is not counted), then times a second verify of
-    k+1 random tokens: ``save``, and ``restore`` keeping ``keep`` positions.
+    Each run clones a prefilled cache, makes a fresh strategy, does a few untimed steps
+    keeping one position, then times a verify of k+1 random tokens: ``current`` (a lazy
+    ring's fold of its history), ``save``, and ``restore`` keeping ``keep`` positions.
     """
     k = check_int("k", k, 1)
     repeats = check_int("repeats", repeats, 1)
@@ -36,24 +37,25 @@ def rollback_timings(model: Model, rollback: str, k: int, keeps: Iterable[int], 
     vocab = model.config.vocab_size
     base = model.new_cache()
     model.prefill(rng.integers(0, vocab, check_int("prompt_len", prompt_len, 1)).tolist(), base)
-    windows = [rng.integers(0, vocab, k + 1).tolist() for _ in range(2)]
+    windows = [rng.integers(0, vocab, k + 1).tolist() for _ in range(_WARM + 1)]
+    kw = {"ring_len": ring_len} if rollback == "lazy-ring" else {}
     out = {}
     for keep in keeps:
         keep = check_int("keep", keep, 1)
         if keep > k + 1:
             raise ValueError(f"keeps: {keep} > k+1={k + 1} verified positions")
-        best = {"save": float("inf"), "restore": float("inf")}
+        best = {"current": float("inf"), "save": float("inf"), "restore": float("inf")}
         for _ in range(repeats):
             cache = base.clone()
-            pages = make_rollback(rollback, model, None, k).scratch_pages(_PAGE_BYTES)
-            strategy = make_rollback(rollback, model, PagePool(max(1, pages), _PAGE_BYTES), k)
+            pages = make_rollback(rollback, model, None, k, **kw).scratch_pages(_PAGE_BYTES)
+            strategy = make_rollback(rollback, model, PagePool(max(1, pages), _PAGE_BYTES), k, **kw)
             try:
                 for step, window in enumerate(windows):
-                    if step:
-                        strategy.seconds = {"save": 0.0, "restore": 0.0}
-                    _, captures, view = verify(model, window, cache)
+                    if step == _WARM:
+                        strategy.seconds = dict.fromkeys(strategy.seconds, 0.0)
+                    _, captures, view = verify(model, window, strategy.current(cache))
                     strategy.save(view, captures)
-                    strategy.restore(cache, keep if step else 1)
+                    strategy.restore(cache, keep if step == _WARM else 1)
             finally:
                 strategy.close()
             for part in best:
