@@ -339,3 +339,14 @@ def test_spec_plot_keys_are_distinct():
     for keys in (("snapshot", "slot", "replay", "ring", "lazy-ring", "trim-only"),
                  ("spec-k1", "spec-k2", "spec-k4", "spec-k8", "plain-decode")):
         assert len({plots.color(k) for k in keys}) == len(keys)
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2, 1)])
+def test_emitted_per_step_needs_no_model(model, tree):
+    """The controlled drafter's acceptance depends on its guesses alone: its model-free count of
+    tokens per step equals the real loop's, so chapter 7 can average over many seeds cheaply."""
+    prompt = list(range(50, 70))
+    d = spec.ControlledDrafter(model, prompt, 40, 0.3, seed=9, decay=0.9)
+    k = 4 if tree is None else 3
+    r = spec.speculative_generate(model, prompt, 30, d, k, "slot", tree=tree)
+    assert [s.emitted for s in r.steps] == d.emitted_per_step(30, k, tree)

@@ -3,6 +3,8 @@ and the arithmetic of a replay (the five strategies and the accounting: :mod:`ki
 
 from __future__ import annotations
 
+import math
+
 from kimilab.config import ModelConfig
 from kimilab.costs._check import check_config
 from kimilab.costs.cache_bytes import checkpoint_bytes, kda_state_bytes
@@ -10,11 +12,11 @@ from kimilab.costs.deployment import Deployment
 from kimilab.costs.flops import prefill_flops
 from kimilab.costs.parallel import state_heads_per_device
 from kimilab.kda import recurrent_kda_flops
-from kimilab.validate import check_choice, check_int
+from kimilab.validate import check_choice, check_float, check_int
 
 __all__ = ["ROLLBACK_STRATEGIES", "RECORD_KEEPS", "DEFAULT_RING", "record_elems_per_layer",
            "record_bytes_per_token", "conv_row_bytes", "lazy_entry_bytes", "rollback_bytes", "moved_bytes",
-           "replay_flops", "lazy_flops", "reverify_flops"]
+           "lazy_cycle", "mean_moved_bytes", "replay_flops", "lazy_flops", "reverify_flops"]
 
 ROLLBACK_STRATEGIES = ("snapshot", "slot", "replay", "ring", "lazy-ring")
 RECORD_KEEPS = ("post-conv", "raw", "low-rank")
@@ -133,6 +135,36 @@ def moved_bytes(cfg: ModelConfig, deployment: Deployment, strategy: str, k: int,
     if strategy == "replay":
         return 3 * S + (n + kept) * record
     return 3 * S + n * record + kept * (record - conv) + (2 * kept * conv if gathered else 0)
+
+
+def lazy_cycle(nodes: int, ring_len: int, tokens_per_step: float) -> tuple[float, float]:
+    """(mean history entries read per step, write-backs per step) of a lazy ring of ``ring_len``
+    entries under verifies of ``nodes`` positions yielding ``tokens_per_step`` each, in steady state.
+
+    A step folds its history h and, when h + nodes > ring_len, writes the state back and empties
+    the ring; the ring then regrows by tokens_per_step a step. So the cursor runs tau, 2 tau,
+    ..., m tau with m = floor((ring_len - nodes) / tau) + 1 steps per write-back, and the mean
+    history is tau (m + 1) / 2. (The fluid limit of the random cursor the tests measure.)
+    """
+    n = check_int("nodes", nodes, 1)
+    L = check_int("ring_len", ring_len, n, unit="entries, at least the verified positions")
+    tau = check_float("tokens_per_step", tokens_per_step, minimum=1.0)
+    m = math.floor((L - n) / tau) + 1
+    return tau * (m + 1) / 2, 1.0 / m
+
+
+def mean_moved_bytes(cfg: ModelConfig, deployment: Deployment, strategy: str, k: int, kept: int, *,
+                     nodes: int | None = None, ring_len: int = DEFAULT_RING, tokens_per_step: float | None = None,
+                     gathered: bool = False, keep: str = "post-conv", act_bytes: int | None = None) -> float:
+    """:func:`moved_bytes` per step in steady state: for the lazy ring, with the mean history and the
+    write-backs per step of :func:`lazy_cycle` at ``tokens_per_step`` (default ``kept``)."""
+    n = _nodes(check_int("k", k, 0, unit="draft tokens"), nodes)
+    if strategy != "lazy-ring":
+        return float(moved_bytes(cfg, deployment, strategy, k, kept, nodes=n, gathered=gathered, keep=keep,
+                                 act_bytes=act_bytes))
+    h, rate = lazy_cycle(n, ring_len, float(kept if tokens_per_step is None else tokens_per_step))
+    base = moved_bytes(cfg, deployment, strategy, k, kept, nodes=n, gathered=gathered, act_bytes=act_bytes)
+    return base + h * lazy_entry_bytes(cfg, deployment, act_bytes) + rate * kda_state_bytes(cfg, deployment)
 
 
 def replay_flops(cfg: ModelConfig, n_tokens: int) -> int:

@@ -15,21 +15,19 @@ run measures, (tokens per step - 1) / k on a chain (:func:`accepted_fraction`).
 
 from __future__ import annotations
 
-import math
+from functools import lru_cache
 from typing import Sequence
 
 from kimilab.config import ModelConfig
-from kimilab.costs.cache_bytes import checkpoint_bytes, kda_state_bytes
+from kimilab.costs.cache_bytes import checkpoint_bytes
 from kimilab.costs.deployment import Deployment
 from kimilab.costs.parallel import requests_on_busiest_device, state_heads_per_device
-from kimilab.costs.spec_bytes import (
-    DEFAULT_RING, ROLLBACK_STRATEGIES, conv_row_bytes, lazy_entry_bytes, moved_bytes, replay_flops,
-)
+from kimilab.costs.spec_bytes import DEFAULT_RING, ROLLBACK_STRATEGIES, lazy_cycle, mean_moved_bytes, replay_flops
 from kimilab.costs.steptime import decode_step_seconds, step_seconds
 from kimilab.validate import check_choice, check_float, check_int
 
 __all__ = ["expected_tokens_per_step", "expected_tokens_per_step_tree", "accepted_fraction",
-           "alpha_from_accepted_fraction", "lazy_cycle", "rollback_seconds", "verify_step_seconds",
+           "alpha_from_accepted_fraction", "rollback_seconds", "verify_step_seconds",
            "rollback_share", "spec_tokens_per_second", "break_even_acceptance"]
 
 
@@ -84,22 +82,6 @@ def alpha_from_accepted_fraction(fraction: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def lazy_cycle(nodes: int, ring_len: int, tokens_per_step: float) -> tuple[float, float]:
-    """(mean history entries read per step, write-backs per step) of a lazy ring of ``ring_len``
-    entries under verifies of ``nodes`` positions yielding ``tokens_per_step`` each, in steady state.
-
-    A step folds its history h and, when h + nodes > ring_len, writes the state back and empties
-    the ring; the ring then regrows by tokens_per_step a step. So the cursor runs tau, 2 tau,
-    ..., m tau with m = floor((ring_len - nodes) / tau) + 1 steps per write-back, and the mean
-    history is tau (m + 1) / 2. (The fluid limit of the random cursor the tests measure.)
-    """
-    n = check_int("nodes", nodes, 1)
-    L = check_int("ring_len", ring_len, n, unit="entries, at least the verified positions")
-    tau = check_float("tokens_per_step", tokens_per_step, minimum=1.0)
-    m = math.floor((L - n) / tau) + 1
-    return tau * (m + 1) / 2, 1.0 / m
-
-
 def _shape(k: int, widths) -> tuple[int, int, bool]:
     """(depth, verified positions, is it a tree) of a chain of k or a tree of ``widths``."""
     if widths is None:
@@ -137,18 +119,20 @@ def rollback_seconds(cfg: ModelConfig, deployment: Deployment, strategy: str, k:
     S = checkpoint_bytes(cfg, deployment)
     mine, heads = state_heads_per_device(cfg, deployment)
     K = V = cfg.head_dim
+    moved = mean_moved_bytes(cfg, deployment, strategy, k, kept, nodes=n, ring_len=ring_len,
+                             tokens_per_step=tokens_per_step, gathered=gathered, keep=keep, act_bytes=act_bytes)
     if strategy == "lazy-ring":
         h, flushes = lazy_cycle(n, ring_len, float(kept if tokens_per_step is None else tokens_per_step))
-        entry = lazy_entry_bytes(cfg, deployment, act_bytes)
-        moved = (S + h * entry + n * (entry + conv_row_bytes(cfg, deployment, act_bytes))
-                 + flushes * kda_state_bytes(cfg, deployment)
-                 + (2 * kept * (entry + conv_row_bytes(cfg, deployment, act_bytes)) if gathered else 0))
         flops = len(cfg.kda_layers) * mine * (4 * n * h * (K + V) + flushes * 2 * h * K * V)
     else:
-        moved = moved_bytes(cfg, deployment, strategy, k, kept, nodes=n, gathered=gathered, keep=keep,
-                            act_bytes=act_bytes)
         flops = replay_flops(cfg, kept) * mine / heads if strategy in ("replay", "ring") else 0.0
     return on_device * ((moved - 2 * S) / bw + flops / rate)
+
+
+@lru_cache(maxsize=4096)
+def _forward_seconds(cfg: ModelConfig, deployment: Deployment, n: int, context_len: int, batch: int) -> float:
+    """The verify's forward pass (memoised: a bisection over acceptance asks for it many times)."""
+    return step_seconds(cfg, deployment, chunks=[(n, context_len)] * batch)
 
 
 def verify_step_seconds(cfg: ModelConfig, deployment: Deployment, context_len: int, k: int, *,
@@ -165,8 +149,7 @@ def verify_step_seconds(cfg: ModelConfig, deployment: Deployment, context_len: i
     depth, n, tree = _shape(k, widths)
     if depth != k:
         raise ValueError(f"widths={list(widths)}: expected k={k} depths")
-    step = step_seconds(cfg, deployment, chunks=[(n, L)] * batch)
-    return step + rollback_seconds(cfg, deployment, strategy, k, depth + 1 if kept is None else kept,
+    return _forward_seconds(cfg, deployment, n, L, batch) + rollback_seconds(cfg, deployment, strategy, k, depth + 1 if kept is None else kept,
                                    batch=batch, nodes=n, gathered=tree, **kw)
 
 

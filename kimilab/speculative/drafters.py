@@ -36,6 +36,20 @@ from kimilab.validate import check_float, check_int
 __all__ = ["Drafter", "NgramDrafter", "DraftModelDrafter", "ControlledDrafter"]
 
 
+_MASK = (1 << 64) - 1
+
+
+def _draw(*keys: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``keys``: splitmix64 over them (a hash,
+    cheaper than seeding a numpy generator per guess; the controlled drafter makes many)."""
+    z = 0x9E3779B97F4A7C15
+    for key in keys:
+        z = (z ^ (int(key) & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
 def _widths(widths) -> tuple:
     widths = tuple(widths)
     if not widths:
@@ -178,14 +192,14 @@ class ControlledDrafter(Drafter):
         return (1.0 - self.corruption) * self.decay ** (check_int("depth", depth, 1) - 1)
 
     def _right(self, p: int, depth: int, sibling: int = 0) -> bool:
-        return bool(np.random.default_rng([self.seed, p, depth, sibling]).random() < self.alpha(depth))
+        return _draw(self.seed, p, depth, sibling) < self.alpha(depth)
 
     def _wrong(self, p: int, depth: int, sibling: int, avoid: set) -> int:
-        rng = np.random.default_rng([self.seed, p, depth, sibling, 1])
-        while True:
-            t = int(rng.integers(self.vocab))
+        for attempt in range(1, 1 << 20):
+            t = int(_draw(self.seed, p, depth, sibling, attempt) * self.vocab)
             if t not in avoid:
                 return t
+        raise ValueError("avoid: every token is excluded")  # pragma: no cover - vocab > len(avoid)
 
     def guess(self, p: int, depth: int = 1) -> int:
         """The chain draft for continuation position ``p`` (0 = the first generated token) at ``depth``."""
@@ -224,6 +238,34 @@ class ControlledDrafter(Drafter):
                     nxt.append((len(out_tokens) - 1, on_path and right))
             level = nxt
         return DraftTree(tuple(out_tokens), tuple(parents))
+
+    def emitted_per_step(self, n_new: int, k: int, widths: Sequence[int] | None = None) -> list[int]:
+        """The tokens each step of ``speculative_generate(..., n_new, self, k, tree=widths)`` emits,
+        without running the model: the target's text is the reference, so acceptance depends on
+        the guesses alone. (A test holds it equal to the real loop's steps.) Needs
+        ``n_new <= len(reference)``."""
+        n_new = check_int("n_new", n_new, 0)
+        if n_new > len(self.reference):
+            raise ValueError(f"n_new={n_new}: the reference holds only {len(self.reference)} tokens")
+        dummy = [0] * self.prompt_len
+        done, out = min(1, n_new), []
+        while done < n_new:
+            tokens = dummy + [0] * done
+            if widths is None:
+                drafts = self.propose(tokens, k)
+                j = next((i for i, t in enumerate(drafts) if t != self.reference[done + i]), len(drafts))
+            else:
+                tree, node, j = self.propose_tree(tokens, widths), -1, 0
+                while True:
+                    want = self.reference[done + j] if done + j < len(self.reference) else None
+                    nxt = next((c for c, (t, par) in enumerate(zip(tree.tokens, tree.parents))
+                                if par == node and t == want), None)
+                    if nxt is None:
+                        break
+                    node, j = nxt, j + 1
+            out.append(min(j + 1, n_new - done))
+            done += out[-1]
+        return out
 
     def __repr__(self) -> str:
         return (f"ControlledDrafter(corruption={self.corruption}, decay={self.decay}, seed={self.seed}, "

@@ -20,7 +20,7 @@ from kimilab.validate import check_int
 __all__ = ["rollback_timings"]
 
 _PAGE_BYTES = 4096
-_WARM = 3  # untimed steps first: the rings' one-time allocation, and a lazy ring's history
+_WARM = 2  # untimed steps first: the rings' one-time allocation, and a lazy ring's history
 
 
 def rollback_timings(model: Model, rollback: str, k: int, keeps: Iterable[int], *, prompt_len: int = 64,

@@ -75,7 +75,7 @@ class DraftTree:
     @property
     def depth(self) -> int:
         """Nodes on the longest root-to-leaf path (a chain of k: k)."""
-        return int(Window(tuple([0] + [p + 1 for p in self.parents])).depths.max(initial=0))
+        return int(Window.of(self).depths.max(initial=0))
 
 
 class Window:
