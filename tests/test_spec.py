@@ -199,6 +199,8 @@ def test_lazy_ring_writes_back_as_the_cycle_predicts(model):
     r = spec.speculative_generate(model, prompt, 120, d, 3, "lazy-ring", ring_len=12)
     h, rate = spec_costs.lazy_cycle(4, 12, r.tokens_per_step)
     assert r.flushes == sum(s.flushed for s in r.steps)
+    walk = spec_costs.lazy_steps([s.emitted for s in r.steps], 4, 12)
+    assert walk == [(s.history, s.flushed) for s in r.steps]  # the discrete walk is the loop's
     assert r.flushes / len(r.steps) == pytest.approx(rate, rel=0.1)
     assert np.mean([s.history for s in r.steps]) == pytest.approx(h, rel=0.15)
 

@@ -36,8 +36,8 @@ a flush -- plus its replay arithmetic at ``kernels.replay``. Bytes live in
 
 from kimilab.costs.spec_bytes import (
     DEFAULT_RING, RECORD_KEEPS, ROLLBACK_STRATEGIES, conv_row_bytes, lazy_cycle, lazy_entry_bytes, lazy_flops,
-    mean_moved_bytes, moved_bytes, record_bytes_per_token, record_elems_per_layer, replay_flops, reverify_flops,
-    rollback_bytes,
+    lazy_steps, mean_moved_bytes, moved_bytes, record_bytes_per_token, record_elems_per_layer, replay_flops,
+    reverify_flops, rollback_bytes,
 )
 from kimilab.costs.spec_time import (
     accepted_fraction, alpha_from_accepted_fraction, break_even_acceptance, expected_tokens_per_step,
@@ -47,7 +47,7 @@ from kimilab.costs.spec_time import (
 
 __all__ = ["ROLLBACK_STRATEGIES", "RECORD_KEEPS", "DEFAULT_RING", "record_elems_per_layer", "record_bytes_per_token",
            "conv_row_bytes", "lazy_entry_bytes", "rollback_bytes", "moved_bytes", "mean_moved_bytes", "replay_flops",
-           "lazy_flops",
+           "lazy_flops", "lazy_steps",
            "reverify_flops", "expected_tokens_per_step", "expected_tokens_per_step_tree", "accepted_fraction",
            "alpha_from_accepted_fraction", "lazy_cycle", "rollback_seconds", "verify_step_seconds", "rollback_share",
            "spec_tokens_per_second", "break_even_acceptance"]

@@ -16,7 +16,7 @@ from kimilab.validate import check_choice, check_float, check_int
 
 __all__ = ["ROLLBACK_STRATEGIES", "RECORD_KEEPS", "DEFAULT_RING", "record_elems_per_layer",
            "record_bytes_per_token", "conv_row_bytes", "lazy_entry_bytes", "rollback_bytes", "moved_bytes",
-           "lazy_cycle", "mean_moved_bytes", "replay_flops", "lazy_flops", "reverify_flops"]
+           "lazy_cycle", "lazy_steps", "mean_moved_bytes", "replay_flops", "lazy_flops", "reverify_flops"]
 
 ROLLBACK_STRATEGIES = ("snapshot", "slot", "replay", "ring", "lazy-ring")
 RECORD_KEEPS = ("post-conv", "raw", "low-rank")
@@ -151,6 +151,20 @@ def lazy_cycle(nodes: int, ring_len: int, tokens_per_step: float) -> tuple[float
     tau = check_float("tokens_per_step", tokens_per_step, minimum=1.0)
     m = math.floor((L - n) / tau) + 1
     return tau * (m + 1) / 2, 1.0 / m
+
+
+def lazy_steps(emitted, nodes: int, ring_len: int) -> list[tuple[int, bool]]:
+    """(history read, written back?) of each step of a lazy ring whose steps emitted these token
+    counts: the discrete walk of the cursor that :func:`lazy_cycle` averages (before a verify of
+    ``nodes`` positions the ring writes back when cursor + nodes > ring_len)."""
+    n = check_int("nodes", nodes, 1)
+    L = check_int("ring_len", ring_len, n, unit="entries, at least the verified positions")
+    cursor, out = 0, []
+    for i, e in enumerate(emitted):
+        flush = cursor + n > L
+        out.append((cursor, flush))
+        cursor = (0 if flush else cursor) + check_int(f"emitted[{i}]", e, 1, unit="tokens")
+    return out
 
 
 def mean_moved_bytes(cfg: ModelConfig, deployment: Deployment, strategy: str, k: int, kept: int, *,
