@@ -419,13 +419,15 @@ SEEDS = 50
 LONG = 256
 sweep = spec.ControlledDrafter(model, prompt, LONG, corruption=0.25, seed=0)
 emitted = [sweep.with_corruption(0.25, seed=s).emitted_per_step(LONG, 4)[:-1] for s in range(SEEDS)]
+base = spec_costs.moved_bytes(CFG, TP4, "lazy-ring", 4, 1)  # a step's bytes are linear in history and flush
+per_entry = spec_costs.moved_bytes(CFG, TP4, "lazy-ring", 4, 1, history=1) - base
+per_flush = spec_costs.moved_bytes(CFG, TP4, "lazy-ring", 4, 1, flush=True) - base
 walked = {}
 for L in rings:
     per_seed = []
     for em in emitted:
-        moved = sum(spec_costs.moved_bytes(CFG, TP4, "lazy-ring", 4, e, history=h, flush=f)
-                    for e, (h, f) in zip(em, spec_costs.lazy_steps(em, 5, L)))
-        per_seed.append(moved / sum(em) / 1e6)
+        h, f = np.array(spec_costs.lazy_steps(em, 5, L)).T
+        per_seed.append((len(em) * base + per_entry * h.sum() + per_flush * f.sum()) / sum(em) / 1e6)
     walked[L] = (np.mean(per_seed), 1.96 * np.std(per_seed, ddof=1) / np.sqrt(SEEDS))
 print(f"{'ring_len':>8s} {'fluid MB/token':>15s} {'50 seeds MB/token':>18s}")
 for L, m in zip(rings, per_token):

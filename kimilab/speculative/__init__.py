@@ -25,6 +25,7 @@ from kimilab.speculative.loop import (
 from kimilab.speculative.measure import rollback_timings
 from kimilab.speculative.replay import ConvRing, ReplayRollback, RingRollback
 from kimilab.speculative.rollback import Rollback, SnapshotRollback, StateView, TrimOnly, checkpoint_at
+from kimilab.speculative.sampling import accept_sampled, speculative_sample
 from kimilab.speculative.scratch import ScratchSlots, SlotLayout, checkpoint_layout, conv_row_layout, record_layout
 from kimilab.speculative.slots import SlotRollback
 from kimilab.speculative.tree import DraftTree, Window, greedy_accept_tree
@@ -41,5 +42,5 @@ __all__ = [
     "Rollback", "TrimOnly", "SnapshotRollback", "SlotRollback", "ReplayRollback", "RingRollback", "ConvRing",
     "LazyRingRollback", "entry_layout", "DEFAULT_RING", "StateView", "checkpoint_at",
     "ROLLBACKS", "EXACT_ROLLBACKS", "StepStats", "SpecResult", "make_rollback", "speculative_generate",
-    "rollback_timings",
+    "rollback_timings", "accept_sampled", "speculative_sample",
 ]
