@@ -12,7 +12,7 @@
 # ---
 
 # %% [markdown]
-# # 8. Projection replay, the ring buffer and the lazy ring
+# # 8. Projection replay and the ring buffer
 #
 # **What you'll build.** Three more exact rollbacks for speculative decoding on a hybrid
 # model, exchangeable with chapter 7's two snapshot designs behind one interface:

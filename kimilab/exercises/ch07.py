@@ -40,7 +40,7 @@ def _():
     return spec_costs.alpha_from_accepted_fraction(0.5, 4)
 
 
-@exercise("7.5", "states slot selection holds beyond copy-back's, per request", rtol=0.0,
+@exercise("7.5", "states slot selection holds beyond copy-back's, per request",
           hint=("Copy-back keeps its per-position states beside the request's own state; slot selection "
                 "makes the request's own state one of the slots.",
                 "Count all states a request holds under each design for the same k, and subtract."))
