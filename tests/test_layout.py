@@ -23,7 +23,7 @@ LAYERS = {
     "model": 4,
     "pool": 5,
     "prefix": 6,
-    "sim": 7, "spec": 7, "cp": 7, "engine": 7,
+    "sim": 7, "speculative": 7, "cp": 7, "engine": 7,
     "fleet": 8,
     "experiment": 9, "book": 9, "site": 9, "classroom": 9, "exercises": 9,
     "__main__": 10,

@@ -29,7 +29,7 @@ from kimilab.costs import prefill_flops
 from kimilab.model import HybridCache, Model
 from kimilab.pool import PagedHybridCache, PagePool
 from kimilab.prefix import ModelPrefixCache, NoStates
-from kimilab.spec import ControlledDrafter, speculative_generate
+from kimilab.speculative import ControlledDrafter, speculative_generate
 from kimilab.validate import check_int
 
 __all__ = ["CONFIGS", "Session", "TurnCost", "sessions", "second_request"]

@@ -87,9 +87,9 @@ class ScratchSlots:
     """``n_slots`` slots of ``layout`` on one allocation of scratch pages of ``pool``.
 
     Slot s takes pages [s * pages_per_slot, (s+1) * pages_per_slot) of the allocation
-    (page-padded). :meth:`write` and :meth:`read` move whole slots; :meth:`free` returns
-    every page. ``nbytes`` is the data held (n_slots * layout.nbytes), the pool counts
-    the padding as waste.
+    (page-padded). :meth:`write` and :meth:`read` move whole slots and count the bytes they
+    move (``bytes_written``, ``bytes_read``); :meth:`free` returns every page. ``nbytes`` is
+    the data held (n_slots * layout.nbytes), the pool counts the padding as waste.
     """
 
     def __init__(self, pool: PagePool, layout: SlotLayout, n_slots: int, owner=None) -> None:
@@ -101,6 +101,7 @@ class ScratchSlots:
         self.n_slots = check_int("n_slots", n_slots, 1)
         self.pages_per_slot = pool.pages_for_bytes(layout.nbytes)
         self.nbytes = self.n_slots * layout.nbytes
+        self.bytes_written = self.bytes_read = 0  # data moved through write / read (no padding)
         self.alloc = pool.allocate("scratch", self.n_slots * self.pages_per_slot, nbytes=self.nbytes,
                                    owner=owner)
 
@@ -128,12 +129,14 @@ class ScratchSlots:
         buf = np.zeros((slots.size, stride), dtype=np.uint8)
         buf[:, :self.layout.nbytes] = data.view(np.uint8).reshape(slots.size, -1)
         self.pool.arena()[self._pages(slots)] = buf.reshape(-1, self.pool.page_bytes)
+        self.bytes_written += slots.size * self.layout.nbytes
 
     def read(self, slots) -> np.ndarray:
         """A copy of ``slots``' data, [len(slots), layout.elems]."""
         slots = self._slots(slots)
         stride = self.pages_per_slot * self.pool.page_bytes
         raw = self.pool.arena()[self._pages(slots)].reshape(slots.size, stride)[:, :self.layout.nbytes]
+        self.bytes_read += slots.size * self.layout.nbytes
         return np.ascontiguousarray(raw).view(self.layout.dtype)
 
     def free(self) -> None:
