@@ -616,11 +616,11 @@ answer = 5 * costs.checkpoint_bytes(CFG, TP4) / 1e6  # the last committed token 
 verify("7.1", answer)
 
 # %% [markdown]
-# **7.2 Tokens per step.** With acceptance probability α = 0.6 at every depth and k = 4
+# **7.2 Tokens per step.** With acceptance probability α = 0.7 at every depth and k = 4
 # drafts, how many tokens does one verify step yield on average?
 
 # %% tags=["solution"]
-a = 0.6
+a = 0.7
 answer = sum(a**i for i in range(5))  # the target's own token always, the first draft with a, two with a^2, ...
 
 # %%
@@ -640,14 +640,14 @@ verify("7.3", answer)
 
 # %% [markdown]
 # **7.4 From a measured fraction to α.** A run at k = 4 reports an accepted fraction of
-# 0.5. Assuming a constant acceptance probability α, what is α? (Bisect on
-# `spec_costs.accepted_fraction`.)
+# 0.45. Assuming a constant acceptance probability α, what is α? (The fraction rises with
+# α, so any root-finding on [0, 1] will do.)
 
 # %% tags=["solution"]
 lo, hi = 0.0, 1.0
 for _ in range(60):
     mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if spec_costs.accepted_fraction(mid, 4) < 0.5 else (lo, mid)
+    lo, hi = (mid, hi) if spec_costs.accepted_fraction(mid, 4) < 0.45 else (lo, mid)
 answer = (lo + hi) / 2
 
 # %%

@@ -16,12 +16,12 @@ def _():
     return 5 * costs.checkpoint_bytes(kimi_linear_48b, costs.DEFAULT_DEPLOYMENT) / 1e6
 
 
-@exercise("7.2", "tokens per verify step at alpha 0.6, k=4", rtol=1e-3,
+@exercise("7.2", "tokens per verify step at alpha 0.7, k=4", rtol=1e-3,
           hint=("Drafts are accepted in order until the first rejection, and the target always adds one "
                 "token.",
                 "Sum the probabilities that each prefix of drafts survives: a geometric series."))
 def _():
-    return spec_costs.expected_tokens_per_step(0.6, 4)
+    return spec_costs.expected_tokens_per_step(0.7, 4)
 
 
 @exercise("7.3", "scratch pages of one snapshot step at k=8",
@@ -32,12 +32,12 @@ def _():
     return 9 * -(-costs.checkpoint_bytes(tiny, costs.LOCAL) // 4096)
 
 
-@exercise("7.4", "alpha behind an accepted fraction of 0.5 at k=4", rtol=1e-3,
+@exercise("7.4", "alpha behind an accepted fraction of 0.45 at k=4", rtol=1e-3,
           hint=("The accepted fraction averages the survival probabilities of the k drafts; alpha is the "
                 "per-position probability behind them.",
-                "Solve (a + a^2 + a^3 + a^4) / 4 = 0.5 for a, for instance by bisection on [0, 1]."))
+                "Solve (a + a^2 + a^3 + a^4) / 4 = 0.45 for a, for instance by bisection on [0, 1]."))
 def _():
-    return spec_costs.alpha_from_accepted_fraction(0.5, 4)
+    return spec_costs.alpha_from_accepted_fraction(0.45, 4)
 
 
 @exercise("7.5", "states slot selection holds beyond copy-back's, per request",
