@@ -169,6 +169,25 @@ def test_scheme_byte_counts_match_what_the_ranks_sent():
     assert tree_fewer[0] == 4
 
 
+def test_pass_counts_and_timings():
+    """pass_flops: the affine pass does the plain pass's work once M flushed from the start; KCP always
+    adds its pre-pass; preparing twice adds one preparation; more live tokens cost more. pass_seconds
+    times every pass once per round."""
+    from kimilab.cp.passes import PASSES, cost_ratios, pass_flops, pass_seconds
+
+    dead, half, live = (pass_flops(1000, 2, 16, 8, alive=a) for a in (0, 500, None))
+    assert dead["affine"] == dead["plain"] == live["plain"] < dead["kcp"] < dead["kcp-recompute"]
+    assert dead["kcp-recompute"] - dead["kcp"] == live["kcp-recompute"] - live["kcp"]  # one more preparation
+    for name in ("affine", "kcp"):
+        assert dead[name] <= half[name] <= live[name]
+    assert live["plain"] == kda.chunk_kda_flops(1000, 2, 16, 8)
+    seconds = pass_seconds(random_inputs(64, 1, 4, 4, seed=0, dtype=np.float32)[0], rounds=2)
+    assert set(seconds) == set(PASSES) and all(len(s) == 2 for s in seconds.values())
+    assert cost_ratios(seconds)["plain"] == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="passes"):
+        pass_seconds(random_inputs(8, 1, 4, 4, seed=0)[0], passes=("fast",))
+
+
 def test_bytes_exchanged_do_not_grow_with_t():
     sent = []
     for T in (64, 512, 2048):

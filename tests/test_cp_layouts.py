@@ -93,3 +93,13 @@ def test_model_cost_regimes_schedules_and_bad_input():
     assert verdict["efficiency"] == pytest.approx(verdict["speedup"] / 8) and verdict["T"] == 2**20
     with pytest.raises(ValueError, match="affine_cost"):
         cp.predicted_speedup(2, 1024, 4, 8, 8, deployment=dep, affine_cost=0.95)
+
+
+def test_one_device_parts_add_up_to_the_one_device_prefill():
+    cfg, dep = kimi_linear_48b, costs.VLLM_TP8_H200
+    for T in (2**12, 2**18):
+        parts = cp.model_costs.one_device_parts(cfg, T, deployment=dep)
+        assert sum(parts.values()) == pytest.approx(model_cp_prefill(cfg, T, 1, deployment=dep)["seconds"])
+        assert all(v >= 0 for v in parts.values())
+    short, long = (cp.model_costs.one_device_parts(cfg, T, deployment=dep) for T in (2**12, 2**20))
+    assert long["attention"] / sum(long.values()) > short["attention"] / sum(short.values())  # quadratic

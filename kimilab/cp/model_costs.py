@@ -32,7 +32,7 @@ from kimilab.cp.zigzag import contiguous_layout, zigzag_layout
 from kimilab.kda import chunk_kda_flops
 from kimilab.validate import check_choice, check_int
 
-__all__ = ["SCHEDULES", "CUTS", "model_cp_prefill"]
+__all__ = ["SCHEDULES", "CUTS", "model_cp_prefill", "one_device_parts"]
 
 SCHEDULES = {
     "exchange": "all ranks run every layer at once: KDA by the affine pass + one all-gather of (M, C), "
@@ -81,6 +81,20 @@ def _rank_seconds(cfg: ModelConfig, dep: Deployment, rows: int, runs, affine: fl
     return {"kda_layer": k.layer_overhead_s + lin + affine * kda / (dev.peak_flops * k.kda),
             "attention_layer": k.layer_overhead_s + lin + attn / (dev.peak_flops * k.attention),
             "kda_kernel": affine * kda / (dev.peak_flops * k.kda)}
+
+
+def one_device_parts(cfg: ModelConfig, T: int, *, deployment: Deployment) -> dict[str, float]:
+    """Seconds of a T-token prefill on one device of ``deployment``, by part: the weight matmuls,
+    the KDA kernels, global attention, and the per-layer overhead (what CP has to split)."""
+    T = check_int("T", T, 1)
+    dev, k = deployment.device, deployment.kernels
+    per = _rank_seconds(cfg, deployment, T, [(0, T)], 1.0)
+    kda = len(cfg.kda_layers) * per["kda_kernel"]
+    overhead = cfg.n_layers * k.layer_overhead_s
+    attention = len(cfg.attn_layers) * attention_prefill_flops(cfg, T, 0) / max(1, len(cfg.attn_layers)) / (
+        dev.peak_flops * k.attention)
+    total = len(cfg.kda_layers) * per["kda_layer"] + len(cfg.attn_layers) * per["attention_layer"]
+    return {"weights": total - kda - attention - overhead, "kda": kda, "attention": attention, "overhead": overhead}
 
 
 def _messages(cfg: ModelConfig, dep: Deployment, P: int, rows: int, layout: str) -> dict:
