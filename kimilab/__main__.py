@@ -221,6 +221,8 @@ def _fleet(args, parser) -> int:
 def _cp(args, parser) -> int:
     from kimilab.cp.launch import cp_input_bytes, mpi_prefill_run, mpi_run
 
+    if args.model is None and args.layout != "contiguous":
+        parser.error(f"--layout={args.layout}: only with --model (it is the global-attention layers' layout)")
     need = cp_input_bytes(args.tokens, args.heads, args.dim, args.dtype, args.model)
     if need > _memory_bytes() // 2:
         parser.error(f"--tokens={args.tokens}: the inputs and outputs alone need {need / 2**30:.1f} GiB on each "

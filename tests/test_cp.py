@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from fuzzing import examples
 
@@ -25,6 +25,9 @@ def maxdiff(a, b):
 @settings(max_examples=examples(60), deadline=None)
 @given(st.integers(0, 2**16), st.integers(1, 150), st.integers(1, 3), st.integers(1, 9), st.integers(1, 9),
        st.integers(1, 40), st.sampled_from(sorted(GATES)))
+# found by make fuzz: M flushed before a one-chunk slab with V = 1, where numpy 2.4's in-place
+# np.negative on the strided V' view wrote the wrong elements
+@example(seed=0, T=43, H=3, K=7, V=1, chunk=1, gate="extreme")
 def test_affine_pass_equals_chunk_kda_from_any_state(seed, T, H, K, V, chunk, gate):
     (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=seed, gate=gate)
     o, S = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=chunk)

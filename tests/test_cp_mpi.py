@@ -57,9 +57,11 @@ def test_more_ranks_than_tokens_is_an_error_on_every_rank():
 
 
 def test_cli_arguments_are_checked_without_mpi():
-    done = subprocess.run([sys.executable, "-m", "kimilab", "cp", "--tokens", "0"], capture_output=True,
-                          text=True, timeout=TIMEOUT)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    for args in (["--tokens", "0"], ["--tokens", "64", "--layout", "zigzag"], ["--tokens", "64", "--inputs", "x"],
+                 ["--tokens", "64", "--method", "two"]):
+        done = subprocess.run([sys.executable, "-m", "kimilab", "cp", *args], capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
 
 
 def test_repeats_alternate_both_runs_and_report_medians():

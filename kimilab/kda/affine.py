@@ -55,7 +55,7 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
         for j in range(n):
             state, v_new = Z[j, :, :K], Z[j, :, K:]
             np.matmul(W[j], state, out=v_new)
-            np.negative(v_new, out=v_new)
+            v_new *= -1  # not np.negative(v, out=v): numpy 2.4 writes the wrong elements of views like this one
             v_new[:, :, :V] += U[j]  # V' = [U | 0] - W [S | M]
             if d > V:
                 vm = v_new[:, :, V:]
