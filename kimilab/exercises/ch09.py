@@ -26,16 +26,18 @@ def _():
 
 
 @exercise("9.7", "smallest P where the tree sends fewer bytes than the all-gather, at 48B shapes",
-          hint="Compare cp.scheme_costs(P, 32, 128, 128)['tree']['bytes'] with ['allgather']['bytes'] for "
-               "P = 2, 3, ...: the tree sends a transition per round plus a state, the all-gather P - 1 transitions.")
+          hint=("The all-gather's busiest rank sends P - 1 transitions; the tree's sends one transition per "
+                "round, log2 P rounds (rounded up), and then one state.",
+                "A transition (M, C) is twice a state here (K = V); try P = 2, 3, 4, ... and compare the two counts."))
 def _():
     return next(P for P in range(2, 65) if cp.scheme_costs(P, 32, 128, 128)["tree"]["bytes"]
                 < cp.scheme_costs(P, 32, 128, 128)["allgather"]["bytes"])
 
 
 @exercise("9.8", "busiest / mean causal-attention work with contiguous slices at P = 16", rtol=1e-3,
-          hint="cp.causal_work(cp.contiguous_layout(cp.split_bounds(T, 16))): rank r computes r + 1 tiles, "
-               "so the busiest does P tiles against a mean of (P + 1) / 2.")
+          hint=("Under a causal mask, rank r's queries see its own block and every earlier rank's block: whole "
+                "tiles of equal size.",
+                "Rank r computes r + 1 tiles; compare the busiest rank's count with the mean over the P ranks."))
 def _():
     w = cp.causal_work(cp.contiguous_layout(cp.split_bounds(16 * 1024, 16)))
     return max(w) / (sum(w) / len(w))
