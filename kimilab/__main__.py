@@ -145,8 +145,14 @@ def _parser() -> _Parser:
     c.add_argument("--heads", type=positive_int_arg, default=4, help="KDA heads")
     c.add_argument("--dim", type=positive_int_arg, default=64, help="K = V")
     c.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute precision")
-    c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree"],
+    c.add_argument("--scheme", default="allgather", choices=["allgather", "sequential", "tree", "needed", "relay"],
                    help="how ranks learn the state entering their slice")
+    c.add_argument("--method", default="affine", choices=["affine", "kcp"],
+                   help="what ranks r > 0 run before they know it: the affine pass, or fla's KCP (shared "
+                        "preparation, a transition pre-pass, then the main pass)")
+    c.add_argument("--inputs", default="flushed", choices=["flushed", "living"],
+                   help="input regime: random keys and Kimi's gate (M flushes), or 16-dim keys and a slow "
+                        "gate (M lives)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     c.add_argument("--even", action="store_true", help="equal slices (without it, rank 0 takes more, to balance)")
     c.add_argument("--affine-cost", type=positive_float_arg, default=1.25,
@@ -157,6 +163,8 @@ def _parser() -> _Parser:
     c.add_argument("--model", default=None, choices=sorted(n for n, cfg in PRESETS.items() if not cfg.shapes_only),
                    help="instead of one KDA layer: the whole reduced model's CP prefill (KDA state passing and "
                         "ring attention), checked against Model.prefill on one rank")
+    c.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
+                   help="with --model: the global-attention layers' layout (zigzag balances causal work)")
     return top
 
 
@@ -213,17 +221,19 @@ def _fleet(args, parser) -> int:
 def _cp(args, parser) -> int:
     from kimilab.cp.launch import cp_input_bytes, mpi_prefill_run, mpi_run
 
+    if args.model is None and args.layout != "contiguous":
+        parser.error(f"--layout={args.layout}: only with --model (it is the global-attention layers' layout)")
     need = cp_input_bytes(args.tokens, args.heads, args.dim, args.dtype, args.model)
     if need > _memory_bytes() // 2:
         parser.error(f"--tokens={args.tokens}: the inputs and outputs alone need {need / 2**30:.1f} GiB on each "
                      f"rank; this machine has {_memory_bytes() / 2**30:.1f} GiB")
     try:
         if args.model is not None:
-            out = mpi_prefill_run(args.tokens, args.model, seed=args.seed, timeout=args.timeout)
+            out = mpi_prefill_run(args.tokens, args.model, seed=args.seed, timeout=args.timeout, layout=args.layout)
         else:
             out = mpi_run(args.tokens, args.heads, args.dim, args.dtype, seed=args.seed, scheme=args.scheme,
-                          affine_cost=None if args.even else args.affine_cost, timeout=args.timeout,
-                          repeats=args.repeats)
+                          method=args.method, inputs=args.inputs, affine_cost=None if args.even else args.affine_cost,
+                          timeout=args.timeout, repeats=args.repeats)
     except ValueError as exc:  # raised on every rank before anything waits
         parser.error(str(exc))
     except TimeoutError as exc:  # a peer never answered: say so, then end every rank of the job

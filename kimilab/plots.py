@@ -84,6 +84,13 @@ METHODS: dict[str, tuple[str, str]] = {
     "cp-tree": ("log-depth tree scan", "#0072B2"),
     "cp-wall": ("wall clock, this machine (2 cores)", "#000000"),
     "cp-predicted": ("cost model, GPU cluster (assumed)", "#999999"),
+    "cp-needed": ("only what is needed (flags, then neighbours)", "#CC79A7"),
+    "cp-relay": ("relay (each slice after the state arrives)", "#D55E00"),
+    "cp-flushed": ("flushed: random keys, Kimi's gate", "#56B4E9"),
+    "cp-living": ("living: keys in 16 of 64 dims, slow gate", "#8C564B"),
+    "cp-contiguous": ("contiguous slices", "#E69F00"),
+    "cp-zigzag": ("zigzag (2P chunks)", "#009E73"),
+    "cp-relay-pipelined": ("relay pipelined across layers", "#CC79A7"),
     # chapter 11: the experiment, Part B (48B fleet on the real trace)
     "usable-hit": ("usable hit (KV + state)", "#009E73"),
     "kv-hit": ("KV hit (blocks found)", "#0072B2"),

@@ -6,12 +6,15 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from fuzzing import examples
 
 from kimilab import cp, kda
+from kimilab.cp.ladder import RUNGS, ladder_cp, ladder_reference, transition_values
+from kimilab.cp.regimes import lifetime_tokens, m_lifetime, regime_inputs
 from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
+from kimilab.kda.prepared import prepare_kda, prepared_transition, run_prepared
 from kimilab.kda.testing import GATES, random_inputs
 
 
@@ -22,6 +25,9 @@ def maxdiff(a, b):
 @settings(max_examples=examples(60), deadline=None)
 @given(st.integers(0, 2**16), st.integers(1, 150), st.integers(1, 3), st.integers(1, 9), st.integers(1, 9),
        st.integers(1, 40), st.sampled_from(sorted(GATES)))
+# found by make fuzz: M flushed before a one-chunk slab with V = 1, where numpy 2.4's in-place
+# np.negative on the strided V' view wrote the wrong elements
+@example(seed=0, T=43, H=3, K=7, V=1, chunk=1, gate="extreme")
 def test_affine_pass_equals_chunk_kda_from_any_state(seed, T, H, K, V, chunk, gate):
     (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=seed, gate=gate)
     o, S = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=chunk)
@@ -32,14 +38,40 @@ def test_affine_pass_equals_chunk_kda_from_any_state(seed, T, H, K, V, chunk, ga
     assert maxdiff(M, M2) <= 1e-10 and maxdiff(C, C2) <= 1e-10
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 150), st.integers(1, 3), st.integers(1, 9), st.integers(1, 9),
+       st.integers(1, 40), st.sampled_from(sorted(GATES)), st.booleans())
+def test_shared_preparation_two_passes_equal_transition_and_chunk_kda(seed, T, H, K, V, chunk, gate, start):
+    """fla's KCP shape: one preparation, a transition pre-pass and a main pass == segment_transition
+    and chunk_kda (the preparation is shared, not recomputed)."""
+    (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=seed, gate=gate)
+    S0 = S0 if start else None
+    prepared = prepare_kda(q, k, v, g, beta, chunk_size=chunk)
+    M, C = prepared_transition(prepared)
+    M2, C2 = kda.segment_transition(k, v, g, beta, chunk_size=chunk)
+    assert maxdiff(M, M2) <= 1e-10 and maxdiff(C, C2) <= 1e-10
+    o, S = run_prepared(prepared, S0)
+    o2, S2 = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=chunk)
+    assert maxdiff(o, o2) <= 1e-10 and maxdiff(S, S2) <= 1e-10
+    assert maxdiff(run_prepared(prepared, S0)[0], o) == 0.0  # the preparation is read, never changed
+
+
+def test_prepared_pass_checks_its_state():
+    prepared = prepare_kda(*random_inputs(10, 2, 4, 3, seed=0)[0])
+    with pytest.raises(ValueError, match="initial_state"):
+        run_prepared(prepared, np.zeros((2, 3, 4)))
+
+
+@pytest.mark.parametrize("method", sorted(cp.kda_cp.METHODS))
 @pytest.mark.parametrize("scheme", sorted(cp.SCHEMES))
 @pytest.mark.parametrize("with_state", [False, True])
-def test_every_scheme_equals_one_rank_for_p_1_to_8(scheme, with_state):
+def test_every_scheme_equals_one_rank_for_p_1_to_8(scheme, method, with_state):
     (q, k, v, g, beta), S0 = random_inputs(200, 2, 8, 6, seed=4)
     S0 = S0 if with_state else None
     o, S = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
     for P in range(1, 9):
-        oc, Sc, comms = cp.context_parallel_kda(q, k, v, g, beta, ranks=P, initial_state=S0, scheme=scheme)
+        oc, Sc, comms = cp.context_parallel_kda(q, k, v, g, beta, ranks=P, initial_state=S0, scheme=scheme,
+                                                method=method)
         assert maxdiff(oc, o) <= 1e-10 and maxdiff(Sc, S) <= 1e-10, (scheme, P)
         assert len(comms) == P
 
@@ -65,10 +97,98 @@ def test_hypothesis_over_p_t_and_split_points(data):
     (q, k, v, g, beta), S0 = random_inputs(T, 2, 4, 3, seed=data.draw(st.integers(0, 999)), gate=gate)
     S0 = S0 if data.draw(st.booleans()) else None
     scheme = data.draw(st.sampled_from(sorted(cp.SCHEMES)))
+    method = data.draw(st.sampled_from(sorted(cp.kda_cp.METHODS)))
     o, S = kda.chunk_kda(q, k, v, g, beta, initial_state=S0, chunk_size=chunk)
     oc, Sc, _ = cp.context_parallel_kda(q, k, v, g, beta, bounds=[0, *cuts, T], initial_state=S0,
-                                        chunk_size=chunk, scheme=scheme)
+                                        chunk_size=chunk, scheme=scheme, method=method)
     assert maxdiff(oc, o) <= 1e-10 and maxdiff(Sc, S) <= 1e-10
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.data())
+def test_ladder_every_rung_equals_one_rank(data):
+    """LASP-2 -> scalar decay -> per-channel decay -> KDA: one pass from zero, one all-gather of
+    (m, C), a fold and a correction equal the token-by-token recurrence (float64), for any P and
+    cuts; what each rank sends is C plus M in the rung's form (nothing, 1, K or K x K per head)."""
+    T = data.draw(st.integers(1, 90))
+    P = data.draw(st.integers(1, min(6, T)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, T - 1), min_size=P - 1, max_size=P - 1))) if P > 1 else []
+    rung = data.draw(st.sampled_from(sorted(RUNGS)))
+    H, K, V = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), data.draw(st.integers(1, 5))
+    (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=data.draw(st.integers(0, 999)),
+                                           gate=data.draw(st.sampled_from(["kimi-init", "logsigmoid", "strong"])))
+    S0 = S0 if data.draw(st.booleans()) else None
+    o, S = ladder_reference(rung, q, k, v, g, beta, S0)
+    oc, Sc, comms = ladder_cp(rung, q, k, v, g, beta, bounds=[0, *cuts, T], initial_state=S0)
+    assert maxdiff(oc, o) <= 1e-10 and maxdiff(Sc, S) <= 1e-10
+    sent = (P - 1) * (transition_values(rung, H, K) + H * K * V) * 8
+    assert all(c.bytes_sent == sent for c in comms[1:]) and comms[0].bytes_sent == (P - 1) * H * K * V * 8
+
+
+def test_ladder_additive_rung_sums_in_any_order_and_bad_rungs_are_named():
+    (q, k, v, g, beta), _ = random_inputs(64, 2, 4, 4, seed=3)
+    o, S = ladder_reference("additive", q, k, v, g, beta)
+    assert maxdiff(S, kda.linear_attention_state(k, v)) <= 1e-10  # LASP-2's state is linear attention's sum
+    with pytest.raises(ValueError, match="rung"):
+        ladder_cp("gla", q, k, v, g, beta, ranks=2)
+
+
+def test_m_flushes_with_random_keys_and_lives_with_low_rank_keys_and_a_slow_gate():
+    """The two regimes of chapter 9: random unit keys and Kimi's gate kill M within a few thousand
+    tokens; keys in a 16-dim subspace of 64 and a slow gate keep it near 1."""
+    (_, k, v, g, beta), _ = regime_inputs(4096, 1, 64, 8, seed=0, regime="flushed")
+    tokens, top = m_lifetime(k, v, g, beta, block=512)
+    assert lifetime_tokens(tokens, top) is not None and lifetime_tokens(tokens, top) <= 4096
+    (_, k, v, g, beta), _ = regime_inputs(4096, 1, 64, 8, seed=0, regime="living")
+    tokens, top = m_lifetime(k, v, g, beta, block=512)
+    assert lifetime_tokens(tokens, top) is None and top[-1] > 0.5
+    assert np.linalg.matrix_rank(k[:, 0]) == 16
+    with pytest.raises(ValueError, match="key_rank"):
+        regime_inputs(8, 1, 8, 8, seed=0, keys="low-rank", key_rank=9)
+
+
+def test_needed_scheme_sends_only_the_neighbours_state_once_m_has_flushed():
+    (q, k, v, g, beta), _ = regime_inputs(12_288, 2, 32, 16, seed=1, regime="flushed", dtype=np.float32)
+    o, S = kda.chunk_kda(q, k, v, g, beta)
+    oc, Sc, comms = cp.context_parallel_kda(q, k, v, g, beta, ranks=3, scheme="needed")
+    assert maxdiff(oc, o) <= 1e-4 and maxdiff(Sc, S) <= 1e-4
+    counted = cp.scheme_costs(3, 2, 32, 16, flushed=True)["needed"]["bytes"]
+    shape_check = 2 * 40  # the collective shape check: 5 numbers of 8 bytes to each other rank
+    assert [c.bytes_sent - shape_check for c in comms] == [counted, counted, 16]  # the last rank: flags only
+
+
+def test_scheme_byte_counts_match_what_the_ranks_sent():
+    """scheme_costs (busiest rank) against the in-process backend's count, every scheme, P = 2..5;
+    and the tree sends MORE than the all-gather at P = 2 and 3, fewer from P = 4."""
+    (q, k, v, g, beta), _ = regime_inputs(512, 2, 8, 8, seed=2, regime="living", key_rank=2, dtype=np.float32)
+    for P in range(2, 6):
+        counted = cp.scheme_costs(P, 2, 8, 8)
+        for scheme in cp.SCHEMES:
+            _, _, comms = cp.context_parallel_kda(q, k, v, g, beta, ranks=P, scheme=scheme)
+            busiest = max(c.bytes_sent for c in comms) - (P - 1) * 40
+            assert busiest == counted[scheme]["bytes"], (scheme, P)
+    tree_fewer = [P for P in range(2, 9) if cp.scheme_costs(P, 4, 64, 64)["tree"]["bytes"]
+                  < cp.scheme_costs(P, 4, 64, 64)["allgather"]["bytes"]]
+    assert tree_fewer[0] == 4
+
+
+def test_pass_counts_and_timings():
+    """pass_flops: the affine pass does the plain pass's work once M flushed from the start; KCP always
+    adds its pre-pass; preparing twice adds one preparation; more live tokens cost more. pass_seconds
+    times every pass once per round."""
+    from kimilab.cp.passes import PASSES, cost_ratios, pass_flops, pass_seconds
+
+    dead, half, live = (pass_flops(1000, 2, 16, 8, alive=a) for a in (0, 500, None))
+    assert dead["affine"] == dead["plain"] == live["plain"] < dead["kcp"] < dead["kcp-recompute"]
+    assert dead["kcp-recompute"] - dead["kcp"] == live["kcp-recompute"] - live["kcp"]  # one more preparation
+    for name in ("affine", "kcp"):
+        assert dead[name] <= half[name] <= live[name]
+    assert live["plain"] == kda.chunk_kda_flops(1000, 2, 16, 8)
+    seconds = pass_seconds(random_inputs(64, 1, 4, 4, seed=0, dtype=np.float32)[0], rounds=2)
+    assert set(seconds) == set(PASSES) and all(len(s) == 2 for s in seconds.values())
+    assert cost_ratios(seconds)["plain"] == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="passes"):
+        pass_seconds(random_inputs(8, 1, 4, 4, seed=0)[0], passes=("fast",))
 
 
 def test_bytes_exchanged_do_not_grow_with_t():

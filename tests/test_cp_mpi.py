@@ -57,9 +57,11 @@ def test_more_ranks_than_tokens_is_an_error_on_every_rank():
 
 
 def test_cli_arguments_are_checked_without_mpi():
-    done = subprocess.run([sys.executable, "-m", "kimilab", "cp", "--tokens", "0"], capture_output=True,
-                          text=True, timeout=TIMEOUT)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    for args in (["--tokens", "0"], ["--tokens", "64", "--layout", "zigzag"], ["--tokens", "64", "--inputs", "x"],
+                 ["--tokens", "64", "--method", "two"]):
+        done = subprocess.run([sys.executable, "-m", "kimilab", "cp", *args], capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
 
 
 def test_repeats_alternate_both_runs_and_report_medians():
@@ -81,35 +83,59 @@ def test_repeats_alternate_both_runs_and_report_medians():
     assert bad.returncode == 2 and bad.stderr.count("repeats") >= 2, bad.stderr
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_whole_model_prefill_with_large_ring_messages(ranks):
+def test_whole_model_prefill_with_large_ring_messages(ranks, layout):
     """`cp --model tiny` (chapter 9's exercise 9.6 path): every global layer's ring attention sends a
     key/value block of >= 64 KB, past MPICH's eager limit, in a ring where every rank sends before
-    it receives; every KDA layer passes its state. Same logits as one rank, no hang."""
+    it receives; every KDA layer passes its state; with --layout zigzag every global layer also
+    re-deals its input and output (two all-to-alls). Same logits as one rank, no hang."""
     from kimilab.config import tiny
     from kimilab.cp import split_bounds
+    from kimilab.cp.zigzag import causal_work, zigzag_layout
 
     exe = _mpiexec_or_skip()
     T = 200
     per_token = 2 * tiny.attn_kv_heads * tiny.attn_head_dim * 8  # k and v, float64
     assert min(b - a for a, b in zip(split_bounds(T, ranks), split_bounds(T, ranks)[1:])) * per_token >= 64 * 1024
-    done = _cp(exe, ranks, "--model", "tiny", "--tokens", T, "--timeout", 30)
+    done = _cp(exe, ranks, "--model", "tiny", "--tokens", T, "--timeout", 30, "--layout", layout)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["ranks"] == ranks and out["max_abs_error"] <= 1e-10
+    assert out["ranks"] == ranks and out["max_abs_error"] <= 1e-10 and out["layout"] == layout
     assert min(out["bytes_sent_per_rank"]) >= 2 * 64 * 1024  # two global layers, each >= 64 KB a step
+    assert all(w >= b for w, b in zip(out["wire_bytes_sent_per_rank"], out["bytes_sent_per_rank"]))
+    if layout == "zigzag":
+        assert out["score_entries_per_rank"] == [len(tiny.attn_layers) * w for w in causal_work(zigzag_layout(T, ranks))]
+
+
+# Per message, what a pickled buffer adds to its arrays (headers, dtypes, shapes, tuple framing).
+PICKLE_OVERHEAD = 512
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_kda_schemes_with_large_state_messages(ranks):
-    """Every message holds at least one state, 4 heads x 64 x 64 float32 = 64 KB (sequential sends S;
-    all-gather and tree send (M, C), 128 KB): all three schemes finish, exact to fp32 rounding."""
+def test_kda_schemes_with_large_messages_send_what_the_formulas_count(ranks):
+    """Every message holds at least one state, 4 heads x 64 x 64 float32 = 64 KB (past MPICH's eager
+    limit): every scheme and method finishes, exact to fp32 rounding, and the bytes MPI carried --
+    counted in MPIComm at the pickled-buffer level, not by a formula -- are cp.scheme_costs' payload
+    for the busiest rank plus at most a few hundred bytes of framing per message (the collective
+    shape check's included). 12,288 tokens in slices of >= 3,072: in the flushed regime M is 0, and
+    "needed" sends one state to the neighbour; in the living regime it sends what the formula
+    counts with every M alive."""
+    from kimilab.cp import scheme_costs
+
     exe = _mpiexec_or_skip()
-    for scheme in ("allgather", "sequential", "tree"):
-        done = _cp(exe, ranks, "--tokens", 1024, "--heads", 4, "--dim", 64, "--scheme", scheme, "--timeout", 30)
-        assert done.returncode == 0, (scheme, done.stderr)
-        out = json.loads(done.stdout)
-        assert out["max_abs_error"] <= 1e-4 and max(out["bytes_sent_per_rank"]) >= 64 * 1024, (scheme, out)
+    script = os.path.join(os.path.dirname(__file__), "mpi_wire_bytes.py")
+    done = subprocess.run([exe, "-n", str(ranks), sys.executable, script, "12288"], capture_output=True, text=True,
+                          timeout=4 * TIMEOUT, env={**os.environ, **ONE_THREAD})
+    assert done.returncode == 0, done.stderr
+    for run in json.loads(done.stdout):
+        counted = scheme_costs(ranks, 4, 64, 64, flushed=run["regime"] == "flushed")[run["scheme"]]
+        wire = max(run["wire"])
+        messages = counted["messages"] + ranks  # the scheme's, and the shape check's all-gather
+        assert run["max_abs_error"] <= 1e-4, run
+        assert counted["bytes"] >= 64 * 1024
+        assert counted["bytes"] < wire <= counted["bytes"] + PICKLE_OVERHEAD * messages, (run, counted)
+        assert all(w > p for w, p in zip(run["wire"], run["payload"]) if p)
 
 
 @pytest.mark.parametrize("mode", ["recv", "send", "barrier"])

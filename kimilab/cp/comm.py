@@ -11,11 +11,16 @@ it receives cannot deadlock, whatever the message size. (A blocking MPI send of 
 message waits until the peer receives it: past MPICH's eager limit, a ring of them hangs.)
 Every call that waits -- a receive, a collective, finishing the sends -- has a timeout, so
 a rank that never arrives is a one-line error, not a hang.
+
+Two byte counts: ``bytes_sent`` is the arrays' payload (what the cost formulas count);
+:class:`MPIComm` also counts ``wire_bytes_sent``, the lengths of the pickled buffers it
+actually hands to MPI, so a test can hold the formulas against what really went out.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -164,7 +169,8 @@ class MPIComm(Comm):
 
         self._MPI, self._c, self.timeout = MPI, MPI.COMM_WORLD, timeout
         self.rank, self.size = self._c.Get_rank(), self._c.Get_size()
-        self._pending: list = []  # (request, dest) of sends not yet delivered
+        self._pending: list = []  # (request, dest, buffer) of sends not yet delivered
+        self.wire_bytes_sent = 0  # bytes of the buffers handed to MPI (pickled objects, size headers)
 
     def _poll(self, done, what: str) -> None:
         """Sleep-poll until ``done()``, finishing sends meanwhile; TimeoutError naming ``what``."""
@@ -177,7 +183,7 @@ class MPIComm(Comm):
             nap = min(2 * nap, 2e-3)  # a long wait (another rank's one-rank reference) polls rarely
 
     def _progress(self) -> None:
-        self._pending = [(req, dest) for req, dest in self._pending if not req.Test()]
+        self._pending = [(req, dest, buf) for req, dest, buf in self._pending if not req.Test()]
 
     def _sleepy_barrier(self) -> None:
         """A barrier that sleeps while it waits (MPI's spins, stealing a core from ranks still working)
@@ -188,21 +194,37 @@ class MPIComm(Comm):
     def flush(self) -> None:
         if self._pending:
             self._poll(lambda: not self._pending,
-                       "rank(s) " + ", ".join(sorted({str(d) for _, d in self._pending})) + " did not receive")
+                       "rank(s) " + ", ".join(sorted({str(d) for _, d, _ in self._pending})) + " did not receive")
 
     def allgather(self, obj) -> list:
+        """Every rank's ``obj``: the pickled buffers' sizes (8 bytes each), then the buffers
+        (``Allgatherv``). This rank's buffer reaches P - 1 others: that is what it counts."""
+        MPI = self._MPI
+        buf = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._count(obj, self.size - 1)
+        self.wire_bytes_sent += (len(buf) + 8) * (self.size - 1)
         self.flush()
         self._sleepy_barrier()  # everyone is here: the all-gather itself will not wait long
-        return self._c.allgather(obj)
+        sizes = np.zeros(self.size, np.int64)
+        self._c.Allgather([np.array([len(buf)], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        everyone = bytearray(int(sizes.sum()))
+        self._c.Allgatherv([buf, MPI.BYTE], [everyone, (sizes, offsets), MPI.BYTE])
+        view = memoryview(everyone)
+        return [pickle.loads(view[o:o + n]) for o, n in zip(offsets, sizes)]
 
     def send(self, obj, dest: int) -> None:
+        buf = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         self._count(obj, 1)
-        self._pending.append((self._c.isend(obj, dest=dest, tag=7), dest))
+        self.wire_bytes_sent += len(buf)
+        self._pending.append((self._c.Isend([buf, self._MPI.BYTE], dest=dest, tag=7), dest, buf))
 
     def recv(self, source: int):
-        self._poll(lambda: self._c.Iprobe(source=source, tag=7), f"nothing from rank {source}")
-        return self._c.recv(source=source, tag=7)
+        status = self._MPI.Status()
+        self._poll(lambda: self._c.Iprobe(source=source, tag=7, status=status), f"nothing from rank {source}")
+        buf = bytearray(status.Get_count(self._MPI.BYTE))
+        self._c.Recv([buf, self._MPI.BYTE], source=source, tag=7)
+        return pickle.loads(buf)
 
     def barrier(self) -> None:
         self.flush()

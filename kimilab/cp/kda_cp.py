@@ -1,11 +1,14 @@
 """Context-parallel KDA: P ranks each hold a slice of one prompt; outputs equal one rank's.
 
 A KDA state does not add: after [A | B] it is ``M_B S(A) + C_B``, so slices compose in
-rank order. Each rank runs its slice ONCE before it knows its entering state: rank 0
-(which knows it: the prompt's initial state) a plain ``chunk_kda``; rank r > 0 the
-affine pass ``kda.chunk_kda_affine`` -> (o0, Qt, M_r, C_r). The ranks then exchange
-their transitions (bytes independent of T) by one of three schemes (:data:`SCHEMES`),
-and rank r corrects its outputs ``o = o0 + Qt S_in`` -- linear in the entering state.
+rank order. Rank 0 knows its entering state (the prompt's initial state) and runs a
+plain ``chunk_kda``. Every other rank works on its slice before it knows its entering
+state, by one of two methods (:data:`METHODS`): the affine pass
+``kda.chunk_kda_affine`` -> (o0, Qt, M_r, C_r), corrected later with
+``o = o0 + Qt S_in``; or flash-linear-attention's KCP, which prepares the chunks once,
+runs a transition pre-pass, and after the exchange a main pass from S_in
+(``kda.prepared``). The ranks exchange transitions (bytes independent of T) by one of the
+schemes of :data:`SCHEMES`; ``relay`` instead runs the slices one after another.
 """
 
 from __future__ import annotations
@@ -16,13 +19,23 @@ from kimilab.cp.comm import run_local
 from kimilab.cp.split import cut_points, slices
 from kimilab.kda import chunk_kda, compose_transitions
 from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
+from kimilab.kda.prepared import prepare_kda, prepared_transition, run_prepared
 
-__all__ = ["SCHEMES", "cp_kda_rank", "context_parallel_kda", "check_agreement", "fold_states"]
+__all__ = ["SCHEMES", "METHODS", "cp_kda_rank", "context_parallel_kda", "check_agreement", "fold_states"]
 
 SCHEMES = {
     "sequential": "rank r waits for rank r-1's final state, then sends its own: P-1 steps in a chain",
     "allgather": "every rank all-gathers all (M, C) and folds the earlier ones itself (flash-linear-attention's)",
     "tree": "log-depth inclusive scan of transitions (recursive doubling), then one shift",
+    "needed": "a flag per rank (is M alive?) all-gathered, then each rank sends its C to its neighbour, and "
+              "its (M, C) further only while the ranks in between have M alive",
+    "relay": "no pass before the state is known: rank r waits for rank r-1's final state, runs its slice "
+             "from it, sends its own (LASP's ring; rtp-llm's relay): P ranks take as long as one",
+}
+METHODS = {
+    "affine": "one pass on the augmented state [S | M] from [0 | I]; outputs corrected o = o0 + Qt S_in",
+    "kcp": "flash-linear-attention's: the chunk preparation once, a transition pre-pass, then after the "
+           "exchange the main pass from S_in (kda.prepared)",
 }
 
 
@@ -60,13 +73,54 @@ def fold_states(transitions, S0=None, dtype=None):
     return out
 
 
-def _local(comm, q, k, v, g, beta, scale, initial_state, chunk_size):
+def _local(comm, q, k, v, g, beta, scale, initial_state, chunk_size, method):
     """This rank's pass before it knows its entering state: (transition, finish(S_in) -> (o, S_out))."""
     if comm.rank == 0:
         o, S = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
         return (np.zeros(S.shape[:-1] + (S.shape[-2],), S.dtype), S), (lambda _S_in: (o, S))
+    if method == "kcp":
+        prepared = prepare_kda(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
+        return prepared_transition(prepared), (lambda S_in: run_prepared(prepared, S_in))
     o0, Qt, M, C = chunk_kda_affine(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
     return (M, C), (lambda S_in: (apply_affine_outputs(o0, Qt, S_in), np.matmul(M, S_in) + C))
+
+
+def _relay(comm, q, k, v, g, beta, scale, initial_state, chunk_size):
+    """The relay: wait for the state, run the slice from it, pass the final state on."""
+    r, P = comm.rank, comm.size
+    S_in = comm.recv(r - 1) if r > 0 else initial_state
+    o, S = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=S_in, chunk_size=chunk_size)
+    if r + 1 < P:
+        comm.send(S, r + 1)
+    return o, S
+
+
+def _needed(comm, trans):
+    """The state entering this rank, from only what it needs (the "needed" scheme).
+
+    Rank j's final state is M_j S_in + C_j; once M_j is all zero (flushed) it is C_j
+    whatever entered, so ranks after j need nothing before j.
+    """
+    r, P = comm.rank, comm.size
+    alive = r > 0 and bool(trans[0].any())  # rank 0's M is 0: its state is known
+    flags = comm.allgather(alive)
+    message = (trans[0] if alive else None, trans[1])
+    d = r + 1
+    while d < P:  # to the neighbour, and on while the ranks in between pass an entering state through
+        comm.send(message, d)
+        if not flags[d]:
+            break
+        d += 1
+    sources, j = [], r - 1
+    while j >= 0:
+        sources.append(j)
+        if not flags[j]:
+            break
+        j -= 1
+    S = None
+    for M, C in (comm.recv(j) for j in reversed(sources)):
+        S = C if M is None else np.matmul(M, S) + C  # the earliest source has M None (flushed, or rank 0)
+    return S if S is not None else np.zeros_like(trans[1])
 
 
 def _entering_state(comm, trans, scheme: str):
@@ -75,6 +129,8 @@ def _entering_state(comm, trans, scheme: str):
     if scheme == "allgather":
         everyone = comm.allgather(trans)
         return fold_states(everyone)[r]
+    if scheme == "needed":
+        return _needed(comm, trans)
     if scheme == "sequential":
         S_in = comm.recv(r - 1) if r > 0 else np.zeros_like(trans[1])
         if r + 1 < P:
@@ -95,16 +151,19 @@ def _entering_state(comm, trans, scheme: str):
 
 
 def cp_kda_rank(comm, q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-                scheme: str = "allgather"):
+                scheme: str = "allgather", method: str = "affine"):
     """One rank's part of context-parallel KDA over its slice ``[T_r, H, ..]``: returns (o, S_after).
 
     ``initial_state`` is the prompt's (used by rank 0 only). ``S_after`` is the state
-    after this rank's slice; the last rank's is the prompt's final state.
+    after this rank's slice; the last rank's is the prompt's final state. ``method``
+    (:data:`METHODS`) is how ranks r > 0 work before they know their entering state.
     """
     error, shapes = None, (0, 0, 0, "?", 0)
     try:
         if scheme not in SCHEMES:
             raise ValueError(f"scheme={scheme!r}: expected one of {sorted(SCHEMES)}")
+        if method not in METHODS:
+            raise ValueError(f"method={method!r}: expected one of {sorted(METHODS)}")
         q, k, v, g, beta = (np.asarray(x) for x in (q, k, v, g, beta))
         if k.ndim != 3 or v.ndim != 3 or q.shape != k.shape or g.shape != k.shape or beta.shape != k.shape[:2]:
             raise ValueError(f"expected q, k, g [T, H, K], v [T, H, V], beta [T, H]; got q {q.shape}, "
@@ -113,12 +172,15 @@ def cp_kda_rank(comm, q, k, v, g, beta, *, scale=None, initial_state=None, chunk
     except (ValueError, TypeError) as exc:
         error = str(exc)
     check_agreement(comm, shapes, error)
-    trans, finish = _local(comm, q, k, v, g, beta, scale, initial_state, chunk_size)
+    if scheme == "relay":
+        return _relay(comm, q, k, v, g, beta, scale, initial_state, chunk_size)
+    trans, finish = _local(comm, q, k, v, g, beta, scale, initial_state, chunk_size, method)
     return finish(_entering_state(comm, trans, scheme))
 
 
 def context_parallel_kda(q, k, v, g, beta, *, ranks: int | None = None, bounds=None, scale=None,
-                         initial_state=None, chunk_size: int = 64, scheme: str = "allgather"):
+                         initial_state=None, chunk_size: int = 64, scheme: str = "allgather",
+                         method: str = "affine"):
     """Context-parallel KDA on P in-process ranks: ``(o, final_state, comms)`` for one prompt ``[T, H, ..]``.
 
     Cut at ``bounds`` (P + 1 cut points) or evenly into ``ranks`` slices. ``comms`` hold
@@ -129,7 +191,7 @@ def context_parallel_kda(q, k, v, g, beta, *, ranks: int | None = None, bounds=N
 
     def rank_fn(comm):
         return cp_kda_rank(comm, *parts[comm.rank], scale=scale, initial_state=initial_state,
-                           chunk_size=chunk_size, scheme=scheme)
+                           chunk_size=chunk_size, scheme=scheme, method=method)
 
     results, comms = run_local(len(parts), rank_fn)
     o = np.concatenate([o for o, _ in results], axis=0)

@@ -5,13 +5,18 @@ steps every rank has seen every earlier block. Partial softmax results merge wit
 log-sum-exp rule (:func:`merge_partials`), which is commutative and associative -- blocks
 may arrive in any order -- while KDA's slices compose only in order. The price: bytes
 that grow with T (a KV block per step), where KDA's exchange is a fixed-size state.
+
+A rank may hold several runs of positions (the zigzag layout of :mod:`~kimilab.cp.zigzag`
+gives each rank two). Work is done per pair of runs (query run, key run), and a pair whose
+keys all come after its queries is skipped, as a blockwise kernel skips masked tiles;
+``stats["score_entries"]`` counts the (query, key) scores the rank did compute.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["partial_attention", "merge_partials", "ring_attention_rank"]
+__all__ = ["partial_attention", "merge_partials", "ring_attention_rank", "runs"]
 
 
 def partial_attention(q, k, v, q_pos, k_pos, scale=None):
@@ -46,16 +51,42 @@ def merge_partials(a, b):
         return o, np.log(z) + safe
 
 
-def ring_attention_rank(comm, q, k, v, start: int, scale=None):
-    """This rank's causal attention output for its slice (global positions start..start+T_r).
+def runs(positions) -> list[slice]:
+    """Slices of ``positions`` (increasing) that hold consecutive integers: [0..3, 8..11] -> 2 runs."""
+    pos = np.asarray(positions)
+    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+    edges = [0, *breaks.tolist(), len(pos)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
-    The (k, v, positions) block travels the ring r -> r+1 for P - 1 steps.
+
+def _attend(acc, q, k, v, q_pos, k_pos, scale, stats):
+    """Merge into ``acc`` (per query run) the attention of each query run over each key run that
+    is not entirely in its future."""
+    q_runs, k_runs = runs(q_pos), runs(k_pos)
+    for i, qs in enumerate(q_runs):
+        for ks in k_runs:
+            if k_pos[ks.start] > q_pos[qs.stop - 1]:  # every key after every query: a masked tile
+                continue
+            part = partial_attention(q[qs], k[ks], v[ks], q_pos[qs], k_pos[ks], scale)
+            acc[i] = part if acc[i] is None else merge_partials(acc[i], part)
+            if stats is not None:
+                stats["score_entries"] = stats.get("score_entries", 0) + (qs.stop - qs.start) * (ks.stop - ks.start)
+    return acc
+
+
+def ring_attention_rank(comm, q, k, v, start: int | None = None, scale=None, *, positions=None, stats=None):
+    """This rank's causal attention output for its rows: global positions ``start..start+T_r``,
+    or ``positions`` (increasing; several runs allowed, e.g. the zigzag layout's two).
+
+    The (k, v, positions) block travels the ring r -> r+1 for P - 1 steps. ``stats`` (a
+    dict) gets ``score_entries`` added: the (query, key) scores computed (masked tiles skipped).
     """
     r, P = comm.rank, comm.size
-    pos = np.arange(start, start + np.asarray(q).shape[0])
-    acc = partial_attention(q, k, v, pos, pos, scale)
+    q = np.asarray(q)
+    pos = np.arange(start, start + q.shape[0]) if positions is None else np.asarray(positions)
+    acc = _attend([None] * len(runs(pos)), q, k, v, pos, pos, scale, stats)
     block = (np.asarray(k), np.asarray(v), pos)
     for _ in range(P - 1):
         block = comm.sendrecv(block, (r + 1) % P, (r - 1) % P)
-        acc = merge_partials(acc, partial_attention(q, block[0], block[1], pos, block[2], scale))
-    return acc[0]
+        acc = _attend(acc, q, block[0], block[1], pos, block[2], scale, stats)
+    return np.concatenate([o for o, _ in acc], axis=0)

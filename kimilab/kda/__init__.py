@@ -8,6 +8,8 @@ One concept per module, in the order chapter 2 builds them:
 - :mod:`~kimilab.kda.chunk`: the chunkwise (UT-transform) form, same result as matrix products;
 - :mod:`~kimilab.kda.transition`: a segment's affine map ``S_out = M S_in + C``;
 - :mod:`~kimilab.kda.affine`: one chunk pass whose outputs stay affine in the entering state;
+- :mod:`~kimilab.kda.prepared`: the chunk pass split into its shared preparation and two state
+  passes (flash-linear-attention's context-parallel shape);
 - :mod:`~kimilab.kda.testing`: seeded random inputs for tests, benchmarks and the book.
 
 Layouts follow flash-linear-attention: q, k, g ``[T, H, K]``; v ``[T, H, V]``; beta
@@ -19,6 +21,7 @@ from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
 from kimilab.kda.chunk import chunk_kda, chunk_kda_flops
 from kimilab.kda.gate import beta_from_logits, kda_gate, kda_gate_lowerbound, l2_normalize, sigmoid, softplus
 from kimilab.kda.naive import naive_chunk_kda
+from kimilab.kda.prepared import PreparedKDA, prepare_kda, prepared_transition, run_prepared
 from kimilab.kda.recurrent import kda_step, kda_update, recurrent_kda, recurrent_kda_flops, state_bytes
 from kimilab.kda.transition import (
     apply_transition, compose_transitions, identity_transition, linear_attention_state, segment_transition,
@@ -36,4 +39,6 @@ __all__ = [
     "linear_attention_state",
     # affine
     "chunk_kda_affine", "apply_affine_outputs",
+    # prepared
+    "PreparedKDA", "prepare_kda", "prepared_transition", "run_prepared",
 ]

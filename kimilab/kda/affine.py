@@ -39,7 +39,8 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
     flush = _FLUSH[np.dtype(dtype)]
     S = np.zeros((B * H, K, D), dtype)
     S[:, :, V:] = np.eye(K, dtype=dtype)
-    o = np.zeros((B, N, Cs, H, D), dtype)
+    o0 = np.empty((B, N, Cs, H, V), dtype)
+    Qt = np.zeros((B, N, Cs, H, K), dtype)  # rows after M flushed stay 0 (and their pages untouched)
     G = _chunk_cumsum(g, Cs)
     for c0, c1 in _slabs(N, B * H):
         if S.shape[-1] == D and not S[:, :, V:].any():  # M flushed to 0: later chunks no longer see S_in
@@ -54,7 +55,7 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
         for j in range(n):
             state, v_new = Z[j, :, :K], Z[j, :, K:]
             np.matmul(W[j], state, out=v_new)
-            np.negative(v_new, out=v_new)
+            v_new *= -1  # not np.negative(v, out=v): numpy 2.4 writes the wrong elements of views like this one
             v_new[:, :, :V] += U[j]  # V' = [U | 0] - W [S | M]
             if d > V:
                 vm = v_new[:, :, V:]
@@ -65,12 +66,13 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
             if d > V:
                 m = nxt[:, :, V:]  # M decays towards 0: flush it before it turns subnormal (BLAS slows ~10x)
                 m *= np.abs(m) >= flush
-        o_slab = np.matmul(prep["QA"], Z.reshape(n * B * H, K + Cs, d))
-        o[:, c0:c1, :, :, :d] = o_slab.reshape(n, B, H, Cs, d).transpose(1, 0, 3, 2, 4)
+        o_slab = np.matmul(prep["QA"], Z.reshape(n * B * H, K + Cs, d)).reshape(n, B, H, Cs, d)
+        o0[:, c0:c1] = o_slab[..., :V].transpose(1, 0, 3, 2, 4)
+        if d > V:
+            Qt[:, c0:c1] = o_slab[..., V:].transpose(1, 0, 3, 2, 4)
     if S.shape[-1] < D:
         S = np.concatenate([S, np.zeros((B * H, K, K), dtype)], axis=-1)
-    o = o.reshape(B, N * Cs, H, D)[:, :T]
-    o0, Qt = np.ascontiguousarray(o[..., :V]), np.ascontiguousarray(o[..., V:])
+    o0, Qt = o0.reshape(B, N * Cs, H, V)[:, :T], Qt.reshape(B, N * Cs, H, K)[:, :T]
     S = S.reshape(B, H, K, D)
     M, C = np.ascontiguousarray(S[..., V:]), np.ascontiguousarray(S[..., :V])
     if not batched:
@@ -83,5 +85,13 @@ def apply_affine_outputs(o0, Qt, S):
     o0, Qt, S = (np.asarray(x) for x in (o0, Qt, S))
     if Qt.shape[:-1] != o0.shape[:-1] or S.shape[-3:] != (Qt.shape[-2], Qt.shape[-1], o0.shape[-1]):
         raise ValueError(f"shapes do not match: o0 {o0.shape}, Qt {Qt.shape}, S {S.shape}")
-    # one batched matmul per head ([.., H, T, K] @ [.., H, K, V]): BLAS, ~3x faster than the einsum
-    return o0 + np.matmul(np.swapaxes(Qt, -3, -2), S).swapaxes(-3, -2)
+    # Rows after M flushed read nothing of S (their Qt is exactly 0): correct only the rows before.
+    T = Qt.shape[-3]
+    nonzero = np.flatnonzero(np.moveaxis(Qt, -3, 0).reshape(T, -1).any(axis=1)) if T else np.zeros(0, int)
+    live = int(nonzero[-1]) + 1 if nonzero.size else 0
+    o = np.array(o0, dtype=np.result_type(o0, Qt, S), copy=True)
+    if live:
+        # one batched matmul per head ([.., H, t, K] @ [.., H, K, V]): BLAS, ~3x faster than the einsum
+        head = np.matmul(np.swapaxes(Qt[..., :live, :, :], -3, -2), S).swapaxes(-3, -2)
+        o[..., :live, :, :] += head
+    return o
