@@ -819,12 +819,12 @@ answer = cp.scheme_costs(16, H, K, V)["sequential"]["steps"]
 verify("9.2", answer)
 
 # %% [markdown]
-# **9.3 A balanced cut.** If the affine pass cost twice the plain pass per token, how
-# many of `10,000` tokens would rank 0 take with P = 4? (`cp.split_bounds` with
-# `cp.balanced_weights`.)
+# **9.3 A balanced cut.** If the affine pass cost 1.8 times the plain pass per token, how
+# many of `10,000` tokens would rank 0 take with P = 3, so that every rank finishes
+# together? (Rank 0 runs the plain pass; round to a whole token.)
 
 # %% tags=["solution"]
-answer = cp.split_bounds(10_000, 4, cp.balanced_weights(4, 2.0))[1]
+answer = cp.split_bounds(10_000, 3, cp.balanced_weights(3, 1.8))[1]
 
 # %%
 verify("9.3", answer)

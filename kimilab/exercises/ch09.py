@@ -22,7 +22,7 @@ def _():
           hint=("Rank 0 starts from the true initial state, so it needs no correction pass.",
                 "Give each rank a share of the tokens inversely proportional to its cost per token."))
 def _():
-    return cp.split_bounds(10_000, 4, cp.balanced_weights(4, 2.0))[1]
+    return cp.split_bounds(10_000, 3, cp.balanced_weights(3, 1.8))[1]
 
 
 @exercise("9.7", "smallest P where the tree sends fewer bytes than the all-gather, at 48B shapes",
