@@ -13,6 +13,7 @@
 - :mod:`~kimilab.costs.roofline`: decode operating points and :func:`summary` (``python -m kimilab memory``);
 - :mod:`~kimilab.costs.vllm_pages`: vLLM's hybrid page layout per device;
 - :mod:`~kimilab.costs.calibration`: the published measurements the kernels are fitted to;
+- :mod:`~kimilab.costs.inputs`: every input of a deployment's numbers, sourced, fitted or assumed;
 - :mod:`~kimilab.costs.spec`: speculative-decoding rollback bytes and time over batch.
 
 Every function that returns bytes or seconds takes the deployment (no default), so no
@@ -37,6 +38,7 @@ from kimilab.costs.hardware import (
     CPU, H20, H200, H800, INFINIBAND_NDR, LOOPBACK, NVLINK_H100, Accelerator, Link, WeightModel, estimate_params,
     mixer_params, weight_model,
 )
+from kimilab.costs.inputs import inputs
 from kimilab.costs.memory import cache_budget_bytes, capacity_tokens, max_batch
 from kimilab.costs.parallel import (
     check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
@@ -62,8 +64,8 @@ __all__ = [
     "kv_bytes_per_token_layer", "kv_bytes_per_token", "kda_state_bytes_per_layer", "kda_state_bytes",
     "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes", "request_bytes",
     "request_total_bytes", "crossover_tokens", "cache_anatomy", "CacheShapes",
-    # memory
-    "cache_budget_bytes", "capacity_tokens", "max_batch",
+    # memory, and what every number rests on
+    "cache_budget_bytes", "capacity_tokens", "max_batch", "inputs",
     # FLOPs
     "linear_flops_per_token", "prefill_flops", "attention_prefill_flops", "kda_prefill_flops", "mixer_prefill_flops",
     "decode_flops_per_token", "attention_decode_flops", "kda_decode_flops", "mixer_decode_flops", "CacheCosts",
