@@ -42,19 +42,23 @@ _TABLES: dict = {}
 def normalise(values: np.ndarray) -> np.ndarray:
     """Min-max scaling to [0, 1]; all ones when there is one value or all are equal (Marconi's ``_normalize``)."""
     lo, hi = values.min(), values.max()
-    if values.size > 1 and lo != hi:
+    if lo != hi:
         return (values - lo) / (hi - lo)
     return np.ones_like(values)
 
 
 def flops_by_depth(cache: SegmentCache, depth: int) -> np.ndarray:
     """Cold prefill FLOPs of the first d blocks, for d = 0..depth (shared by every cache of one model)."""
-    key = (cache.costs.config, cache.costs.deployment, cache.block_size)
+    table = cache.flops_table
+    if len(table) > depth:
+        return table
+    key = (cache.costs.config, cache.block_size)
     table = _TABLES.get(key, np.zeros(1))
     if len(table) <= depth:
         size = max(depth + 1, 2 * len(table))
         extra = [float(cache.costs.prefill_flops(d * cache.block_size)) for d in range(len(table), size)]
         table = _TABLES[key] = np.concatenate([table, extra])
+    cache.flops_table = table
     return table
 
 
@@ -97,11 +101,12 @@ class MarconiScorer:
         if self.first_eviction_at is None:
             self.first_eviction_at = cache.clock
         u = cache.units
-        idx = np.flatnonzero(u.free[: u.top] & (u.nchild[: u.top] <= 1))
+        top = u.top
+        idx = (u.free[:top] & (u.nchild[:top] <= 1)).nonzero()[0]
         if not idx.size:
             return None
-        recency = 1.0 / np.maximum(cache.tick - u.last[idx], 1e-9)
-        score = self.alpha * normalise(efficiency(cache, idx)) + normalise(recency)
+        recency = normalise(1.0 / np.maximum(cache.tick - u.last[idx], 1e-9))
+        score = normalise(efficiency(cache, idx)) * self.alpha + recency if self.alpha else recency
         return u.pick(score, idx)
 
     def before_insert(self, cache: SegmentCache, keys: list, n_tokens: int) -> None:
@@ -114,14 +119,19 @@ class MarconiScorer:
             self._tune(cache)
 
     def _tune(self, cache: SegmentCache) -> None:
-        saved = {}
+        saved, memo = {}, {}
+        window = self.history
+        scored = len(window) - self.tuning_interval  # the window's last requests are scored
         for alpha in self.grid:
             twin = marconi_cache_like(cache, alpha)
             total = 0
-            for i, (keys, n) in enumerate(self.history):
-                out = twin.serve(keys, n)
-                if i >= len(self.history) - self.tuning_interval:
-                    total += cache.costs.flops_saved(n, out.usable_hit)
+            for i, (keys, n) in enumerate(window):
+                hit = twin.serve_whole(keys, n).usable_hit
+                if i >= scored:
+                    key = (n, hit)
+                    if key not in memo:
+                        memo[key] = cache.costs.flops_saved(n, hit)
+                    total += memo[key]
             saved[alpha] = total
         best = max(saved.values())
         self.alpha = min(a for a, v in saved.items() if v == best)

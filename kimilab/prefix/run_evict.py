@@ -51,33 +51,51 @@ class RunEviction:
                 return False
         return True
 
-    @staticmethod
-    def _forget(entry) -> None:
+    def _forget(self, entry) -> None:
+        """An entry leaves the heap: if it was its checkpoint's only one, the checkpoint waits unqueued
+        until a request's path passes its run again (``_finish`` requeues it)."""
         ck = entry[2]
         if ck.run is not None and ck.serial == entry[1]:
             ck.serial = -1
+            self._unqueued.add(ck)
 
     def _push_checkpoint(self, ck: _Checkpoint) -> None:
-        self._serial += 1
-        ck.serial = serial = self._serial
-        ck.priority = priority = self.policy.checkpoint_priority(self, ck.last_access, ck.depth * self.block_size)
-        heapq.heappush(self._heap, (priority, serial, ck))
-        if len(self._heap) > 64 + 4 * max(self.n_checkpoints, 1):
-            keep = []
-            for entry in self._heap:
-                if self._ck_valid(entry):
-                    keep.append(entry)
-                else:
-                    self._forget(entry)
-            heapq.heapify(keep)
-            self._heap = keep
+        self._push_checkpoints((ck,))
 
-    def _peek_checkpoint(self) -> _Checkpoint | None:
-        heap = self._heap
+    def _push_checkpoints(self, cks) -> None:
+        """Queue checkpoints in order, each with the next serial (one heap compaction check per push)."""
+        policy, block = self.policy, self.block_size
+        lru = policy.lru_checkpoints  # then a checkpoint's rank is its last use
+        limit = 64 + 4 * max(self.n_checkpoints, 1)
+        push = heapq.heappush
+        for ck in cks:
+            self._serial += 1
+            ck.serial = serial = self._serial
+            ck.priority = priority = ck.last_access if lru else policy.checkpoint_priority(
+                self, ck.last_access, ck.depth * block)
+            push(self._heap, (priority, serial, ck))
+            if len(self._heap) > limit:
+                keep = []
+                for entry in self._heap:
+                    if self._ck_valid(entry):
+                        keep.append(entry)
+                    else:
+                        self._forget(entry)
+                heapq.heapify(keep)
+                self._heap = keep
+
+    def _peek_checkpoint(self):
+        """The next valid checkpoint (``_ck_valid``, inlined: this runs once per eviction decision)."""
+        heap, protect, pop = self._heap, self.policy.protect_branch_points, heapq.heappop
         while heap:
-            if self._ck_valid(heap[0]):
-                return heap[0][2]
-            self._forget(heapq.heappop(heap))
+            _, serial, ck = entry = heap[0]
+            run = ck.run
+            if run is not None and ck.serial == serial and not run.refcount and (
+                    not protect or (1 if ck.depth < run.hi else len(run.children)) == 1):
+                return ck
+            pop(heap)
+            if run is not None and ck.serial == serial:
+                self._forget(entry)
         return None
 
     # ----- eviction ---------------------------------------------------------------

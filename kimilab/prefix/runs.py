@@ -97,6 +97,7 @@ class RunPrefixCache(RunEviction):
         self._serial = 0
         self.n_checkpoints = self.checkpoints_admitted = self.checkpoints_evicted = 0
         self.pages_admitted = 0
+        self._unqueued: set = set()  # checkpoints whose heap entry was dropped while their run was pinned
 
     # ----- the clock and the ranks (as HybridPrefixCache) ------------------------
     @property
@@ -201,7 +202,7 @@ class RunPrefixCache(RunEviction):
         n_path = matched + new
         limit = n - 1
         kv_hit = min(matched * block, limit)
-        added = []
+        added, requeue = [], []
         if policy.free_states:
             usable = kv_hit
         else:
@@ -228,7 +229,8 @@ class RunPrefixCache(RunEviction):
                 wanted = [(run, d) for run, d in wanted if d not in run.checkpoints]
             got = self._allocate(self.checkpoint_pages, len(wanted))
             for run, d in wanted[:got]:
-                run.checkpoints[d] = _Checkpoint(run, d, run.last_access)
+                run.checkpoints[d] = ck = _Checkpoint(run, d, run.last_access)
+                requeue.append(ck)
                 added.append(d * block)
             self.n_checkpoints += got
             self.checkpoints_admitted += got
@@ -236,25 +238,30 @@ class RunPrefixCache(RunEviction):
             if usable_ck is not None:
                 usable_ck.last_access = usable_ck.run.last_access
                 usable_ck.serial = -1
+                requeue.append(usable_ck)
         outcome = Outcome(n, kv_hit, usable, len(added), tuple(added), matched)
-        self._finish(path)
+        self._finish(path, requeue)
         return outcome
 
-    def _finish(self, path: list) -> None:
+    def _finish(self, path: list, requeue: list) -> None:
+        """Unpin the path; queue its unqueued checkpoints (new, reused, or dropped from the heap while
+        pinned) root-side first, by depth within a run -- the block tree's order."""
         for run in path:
             run.refcount -= 1
             if run.refcount == 0 and not run.children:
                 self._push_leaf(run)
         if self.policy.free_states:
             return
-        for run in path:
-            cks = run.checkpoints
-            if run.refcount or not cks:
-                continue
-            for depth in sorted(cks) if len(cks) > 1 else cks:
-                ck = cks[depth]
-                if ck.serial == -1:
-                    self._push_checkpoint(ck)
+        order = {id(run): i for i, run in enumerate(path)}
+        if self._unqueued:
+            back = [ck for ck in self._unqueued if ck.run is not None and id(ck.run) in order]
+            requeue.extend(back)
+            self._unqueued.difference_update(back)
+            self._unqueued = {ck for ck in self._unqueued if ck.run is not None}
+        todo = [ck for ck in requeue if ck.serial == -1 and ck.run is not None and ck.run.refcount == 0]
+        if todo:
+            todo = sorted(set(todo), key=lambda ck: (order[id(ck.run)], ck.depth))
+            self._push_checkpoints(todo)
 
     def check_invariants(self) -> None:
         """Pages used == blocks + checkpoint pages; runs are consistent chains."""

@@ -98,9 +98,11 @@ class Units:
 
     def pick(self, score: np.ndarray, idx: np.ndarray) -> Seg:
         """The unit of ``idx`` with the lowest score; ties go to the older (last use), then the earlier made."""
-        best = np.flatnonzero(score == score.min())
-        i = idx[best[0]] if best.size == 1 else idx[best[np.lexsort((self.serial[idx[best]], self.last[idx[best]]))[0]]]
-        return self.node[i]
+        k = int(score.argmin())
+        best = np.flatnonzero(score == score[k])
+        if best.size > 1:
+            k = best[np.lexsort((self.serial[idx[best]], self.last[idx[best]]))[0]]
+        return self.node[idx[k]]
 
 
 class LRUScorer:
@@ -161,6 +163,7 @@ class SegmentCache:
         self.tick = 0.0  # the scorers' clock: +1 at a lookup, an insertion and an eviction (Marconi's)
         self.checkpoints_admitted = self.checkpoints_evicted = self.pages_admitted = 0
         self.evictions = 0
+        self.flops_table = np.zeros(0)  # cold prefill FLOPs by depth, for scorers that weigh them
 
     # ----- what the simulation loop reads -----------------------------------------------
     @property
@@ -320,12 +323,14 @@ class SegmentCache:
         """One request, start to end."""
         if tokens is not None:
             raise ValueError("tokens: SegmentCache replays hash-id traces only (give keys= and n_tokens=)")
-        B, scorer = self.block_size, self.scorer
         n = int(n_tokens)
         if n <= 0:
             raise ValueError(f"n_tokens={n}: expected a prompt of at least one token")
-        raw = keys
-        keys, _, _ = split_prompt(keys, n, None, B, False)
+        return self.serve_whole(split_prompt(keys, n, None, self.block_size, False)[0], n)
+
+    def serve_whole(self, keys: list, n: int) -> Outcome:
+        """:meth:`serve` for a prompt already cut into its whole blocks' keys (a replay repeats it)."""
+        B, scorer = self.block_size, self.scorer
         self.clock += 1
         self.tick += 1
         if hasattr(self.policy, "begin"):
@@ -343,7 +348,7 @@ class SegmentCache:
         wanted = [i + 1 for i in self.policy.positions(Placement(ends, m, usable, n, branch))
                   if (i + 1) * B > usable and i + 1 not in have]
         if hasattr(scorer, "before_insert"):
-            scorer.before_insert(self, raw, n)
+            scorer.before_insert(self, keys, n)
         pinned = path + ([part] if part is not None else [])
         for nd in pinned:
             self._set_pins(nd, 1)

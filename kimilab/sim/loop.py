@@ -93,6 +93,7 @@ class _CacheMeter:
             key = (self.costs.config, self.costs.deployment)
             self.timer = _TIMERS.get(key) or _TIMERS.setdefault(key, StepTimer(*key))
             self.prefill = _PREFILL.setdefault(key, {})
+        self.exact_bytes = hasattr(type(cache), "checkpoint_bytes_used")  # a state pool counts bytes, not pages
 
     def arrive(self, index: int, req) -> None:
         n = req.input_length
@@ -108,16 +109,16 @@ class _CacheMeter:
         res.kv_hit_tokens += out.kv_hit
         res.usable_hit_tokens += out.usable_hit
         if self.costs is not None:
-            res.prefill_flops_cold += self.costs.prefill_flops(n)
-            res.prefill_flops += self.costs.prefill_flops(n - out.usable_hit, out.usable_hit)
             self.hits.append((n, out.usable_hit))
         cache = self.cache
-        self.kv_sum += cache.kv_pages
-        ck = getattr(cache, "checkpoint_bytes_used", None)
-        ck = cache.checkpoint_pages_used * self.page_bytes if ck is None else ck
+        kv = cache.kv_pages
+        ck = cache.checkpoint_bytes_used if self.exact_bytes else cache.checkpoint_pages_used * self.page_bytes
+        self.kv_sum += kv
         self.ck_sum += ck
-        res.kv_bytes_peak = max(res.kv_bytes_peak, cache.kv_pages)
-        res.checkpoint_bytes_peak = max(res.checkpoint_bytes_peak, ck)
+        if kv > res.kv_bytes_peak:
+            res.kv_bytes_peak = kv
+        if ck > res.checkpoint_bytes_peak:
+            res.checkpoint_bytes_peak = ck
         if self.keep:
             res.per_request.append(out)
 
@@ -131,7 +132,10 @@ class _CacheMeter:
 
     def close(self) -> None:
         res, pb = self.res, self.page_bytes
+        flops = self.costs.prefill_flops if self.costs is not None else None
         for n, hit in self.hits:
+            res.prefill_flops_cold += flops(n)
+            res.prefill_flops += flops(n - hit, hit)
             cold = self._seconds(n, 0)
             res.prefill_seconds_cold += cold
             res.prefill_seconds += self._seconds(n - hit, hit) if hit else cold
