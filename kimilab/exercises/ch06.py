@@ -11,19 +11,32 @@ from kimilab.traffic import MOONCAKE_CONVERSATION
 DATA = Path(__file__).resolve().parent.parent.parent / "data"
 
 
-@exercise("6.1", "checkpoint pages at 256-token blocks",
-          hint="ceil(checkpoint_bytes / (256 x kv_bytes_per_token)); smaller pages, more of them.")
+DEP = costs.DEFAULT_DEPLOYMENT  # per device of vLLM's TP4 recipe
+
+
+@exercise("6.1", "checkpoint pages at 256-token blocks, per TP4 device",
+          hint="a checkpoint's bytes on one device over one page's (256 tokens of KV on that device); round up.")
 def _():
-    return -(-costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200) // (256 * costs.kv_bytes_per_token(kimi_linear_48b, costs.ONE_H200)))
+    return -(-costs.checkpoint_bytes(kimi_linear_48b, DEP) // (256 * costs.kv_bytes_per_token(kimi_linear_48b, DEP)))
 
 
-@exercise("6.2", "checkpoints in 10 GB", hint="10e9 // costs.checkpoint_bytes(kimi_linear_48b): whole checkpoints.")
+@exercise("6.2", "fp32 checkpoints in 10 GB of one TP4 device",
+          hint="whole checkpoints: the budget over one checkpoint's bytes on that device, rounded down.")
 def _():
-    return int(10e9 // costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200))
+    return int(10e9 // costs.checkpoint_bytes(kimi_linear_48b, DEP))
 
 
-@exercise("6.3", "ends at 20 GB on the real trace", rtol=2e-3,
-          hint="replay the whole real trace with policy 'ends' at 20 GB (sim.Replay / sim.replay, or the chapter's "
-               "runs) and take usable_hit_rate.")
+@exercise("6.3", "ends at 40 GB per TP4 device on the conversation trace", rtol=2e-3,
+          hint="replay the whole conversation trace with policy 'ends' at 40 GB per device of the default "
+               "deployment and take its usable hit rate.")
 def _():
-    return replay(Replay(str(DATA / MOONCAKE_CONVERSATION), "ends", 20, costs.ONE_H200)).usable_hit_rate
+    return replay(Replay(str(DATA / MOONCAKE_CONVERSATION), "ends", 40, DEP)).usable_hit_rate
+
+
+@exercise("6.10", "bytes of one int8 checkpoint on a TP4 device",
+          hint="per KDA layer: one byte per state element of the device's heads, one fp32 scale per (head, key "
+               "channel), and the conv window at its own width; times the KDA layers.")
+def _():
+    from kimilab.prefix.precision import checkpoint_bytes
+
+    return checkpoint_bytes(kimi_linear_48b, DEP, "int8")

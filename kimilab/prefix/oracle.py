@@ -65,15 +65,32 @@ class OraclePolicy(Policy):
         self._index, self._keys = index, keys
 
     def positions(self, p: Placement) -> list[int]:
-        keys, nxt = self._keys, self.future.next_after
-        out = []
-        following = _NEVER
-        for i in range(len(p.ends) - 1, -1, -1):  # deep to shallow: the next reach of block i + 1 is at hand
-            here = nxt(keys[i], self._index)
-            if p.ends[i] > p.usable_end and here != _NEVER and here != following:
-                out.append(i)
-            following = here
-        return out[::-1]
+        # v(d) = the next request to reach block d never decreases with d (a request that reaches
+        # block d + 1 reaches block d), so its change points are found by bisection.
+        keys, index = self._keys, self._index
+        n = len(p.ends)
+        if not n:
+            return []
+        memo: dict = {}
+
+        def v(d):
+            if d not in memo:
+                memo[d] = self.future.next_after(keys[d], index)
+            return memo[d]
+
+        out = [n - 1] if v(n - 1) != _NEVER else []
+        stack = [(0, n - 1)]
+        while stack:
+            lo, hi = stack.pop()
+            if v(lo) == v(hi):
+                continue
+            if hi == lo + 1:
+                if v(lo) != _NEVER:
+                    out.append(lo)
+                continue
+            mid = (lo + hi) // 2
+            stack += [(lo, mid), (mid, hi)]
+        return sorted(i for i in out if p.ends[i] > p.usable_end)
 
 
 class OracleScorer:

@@ -197,10 +197,12 @@ class SegmentCache:
             child = node.children.get(keys[i])
             if child is None:
                 break
-            own, j = child.keys, 1
-            while j < len(own) and i + j < len(keys) and keys[i + j] == own[j]:
-                j += 1
-            if j < len(own):
+            own = child.keys
+            j = len(own)
+            if keys[i:i + j] != own:  # the prompt stops or branches inside this segment
+                j, stop = 1, min(j, len(keys) - i)
+                while j < stop and keys[i + j] == own[j]:
+                    j += 1
                 return path, i + j, child, j
             path.append(child)
             i += j
@@ -410,6 +412,10 @@ class SegmentCache:
         for nd in pinned:
             self._tidy(nd)
         return added, path
+
+    def describe(self) -> str:
+        scorer = getattr(self.scorer, "describe", None)
+        return f"{self.policy_name}: {scorer()}" if scorer else f"{self.policy_name}: {self.policy.describe()}"
 
     # ----- checks -------------------------------------------------------------------------
     def check_invariants(self) -> None:

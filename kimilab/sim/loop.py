@@ -143,6 +143,8 @@ class _CacheMeter:
         if res.requests:
             res.kv_bytes_mean = self.kv_sum * pb / res.requests
             res.checkpoint_bytes_mean = self.ck_sum / res.requests
+        describe = getattr(self.cache, "describe", None) or getattr(getattr(self.cache, "policy", None), "describe", None)
+        res.policy_detail = describe() if describe else ""
         res.checkpoints_admitted = getattr(self.cache, "checkpoints_admitted", 0)
         res.checkpoints_evicted = getattr(self.cache, "checkpoints_evicted", 0)
 
