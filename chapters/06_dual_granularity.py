@@ -181,12 +181,12 @@ show_source(prefix.HybridPrefixCache.reclaim)
 #   tuned online: when the cache has seen five times as many requests as it had at its
 #   first eviction, it replays all of them from an empty cache at each $\alpha$ in
 #   0, 0.1, ..., 2.0 and keeps the one that saved the most prefill FLOPs over the
-#   window's last 500 requests (`config_tuner.py`).
-# - **vLLM `align`** ([vllm](references.md#vllm)) at vLLM's own block size for the
+#   window's last 500 requests (`config_tuner.py`, [marconi-artifact](references.md#marconi-artifact)).
+# - **vLLM `align`** ([vllm-prefix](references.md#vllm-prefix)) at vLLM's own block size for the
 #   deployment, a state at each scheduled chunk's end (chunks are split on the block
 #   grid) and at the request's last whole block, and at the *shared-prefix boundary*
 #   where a prompt's KV hit outruns its state hit; one pool, LRU.
-# - **SGLang `no_buffer` / `extra_buffer`** ([sglang](references.md#sglang)) on two
+# - **SGLang `no_buffer` / `extra_buffer`** ([sglang-prefix](references.md#sglang-prefix)) on two
 #   pools fixed in advance: states get 0.9 / 1.9 of the memory (its
 #   `--mamba-full-memory-ratio`), KV the rest. `no_buffer` keeps a state at each
 #   chunked-prefill chunk's end and at the request end; `extra_buffer` also at the
@@ -387,7 +387,7 @@ print(f"wall clock, same run: block tree {twins[False].wall_seconds:.2f} s, runs
 # **vLLM.** For a hybrid model vLLM keeps one pool of equal pages: it raises the
 # attention block until one MLA layer's page holds one KDA layer's state, per device
 # ([vllm](references.md#vllm); `costs.vllm_hybrid_pages`, chapter 3). Its shipped
-# prefix-caching mode for GDN/KDA models is `align` (PR #30877): the scheduler cuts a
+# prefix-caching mode for GDN/KDA models is `align` ([vllm-prefix](references.md#vllm-prefix), PR #30877): the scheduler cuts a
 # prefill into chunks on the block grid and keeps the state at each chunk's end. Since
 # then a state at the *shared-prefix boundary* -- where a prompt's KV hit runs past its
 # state hit -- is kept too (PR #37898, extended to the retention intervals of PRs
@@ -418,7 +418,7 @@ print(f"prompts of at most one DP-attention block, which can never hit there: {s
 #
 # **SGLang** keeps states in their own pool beside the KV pool, sized once at start;
 # since 0.5.23 it can store the *cached* states int8 (`mamba_checkpoint_pool.py`, below).
-# **TensorRT-LLM** snapshots every `mamba_state_cache_interval` tokens from token 0 and at
+# **TensorRT-LLM** ([trtllm-prefix](references.md#trtllm-prefix)) snapshots every `mamba_state_cache_interval` tokens from token 0 and at
 # the prompt's end, in one pool with LRU block reuse; at 512 tokens that is `every-block`
 # here (its example configuration uses 256, finer than the trace resolves).
 #
@@ -431,8 +431,8 @@ print(f"prompts of at most one DP-attention block, which can never hit there: {s
 # and stated: sessions start as a Poisson process at 0.05 per second (one every 20 s on
 # average, all 80 within half an hour) and each replays its requests at their recorded
 # offsets. Mooncake's release also has a Kimi agent trace, `toolagent_trace.jsonl`
-# (23,608 requests, [mooncake](references.md#mooncake)); it is not among the traces this
-# project has, so the agent numbers rest on the Claude Code sessions.
+# ([claude-code](references.md#claude-code): 23,608 requests); the copy of the release this
+# project could read has no such file, so the agent numbers rest on the Claude Code sessions.
 
 # %%
 AGENT, RATE = f"../data/{wl.CLAUDE_CODE}", 0.05
@@ -651,8 +651,8 @@ print(f"SGLang's pools: states {state_pool:.1f} GB ({sg.checkpoint_bytes_mean / 
 # A cached state is read once, on a hit, and decoding then goes on at full precision;
 # so a cache may keep its states at lower precision than the running request, and the
 # only error is one rounding per stored state. SGLang's `MambaCheckpointPool`
-# ([sglang](references.md#sglang)) stores each KDA state as int8 with one symmetric scale
-# per (head, key channel) -- the largest |S| over the value axis, over 127, kept in the
+# ([sglang-prefix](references.md#sglang-prefix)) stores each KDA state as int8 with one symmetric scale
+# per (head, key channel) -- the largest |S| over the value axis over `QMAX = 127`, in the
 # state's own dtype -- and the conv window at its native dtype
 # (`prefix.precision.int8_quantize`). A bf16 store rounds each fp32 element to 16 bits.
 # The bytes of one checkpoint on one device:
@@ -697,9 +697,10 @@ for p in precision.PRECISIONS:
 # 8.2e-03; bf16 by 1.5e-03 to 1.9e-03; the fp32 floor is 2.3e-08. The error hardly grows
 # along the chain: each rounding is relative to the state's own scale, and the decay of
 # the tokens prefilled between two hits forgets part of the earlier error. The greedy
-# token changed in one of the 15 int8 chains (agreement 0.993 after two hits, one token
-# in 144). The model is untrained and its logits are nearly flat, so ties are common;
-# what a 0.8% logit error does to a trained model's answers has to be measured on one.
+# token changed only in the int8 chains of two hits (agreement 0.993 on average, 0.982
+# at worst). The model is untrained and its logits are nearly flat, so near-ties are
+# common; what a 0.8% logit error does to a trained model's answers has to be measured
+# on one.
 #
 # And what the smaller states buy, on both traces from 10 to 160 GB per device: the
 # usable hit and the prefill time saved by `ends` and `ends+branch` with fp32, bf16 and
@@ -758,7 +759,7 @@ for gb in (10, 40):
 # do the same per node. For a hybrid model a hit loaded from such a tier moves the KV of
 # its tokens *and* one checkpoint. When is loading faster than recomputing? Per device of
 # each deployment (`prefix.offload`: a transfer at the tier's bandwidth plus a fixed
-# latency, against `costs.prefill_seconds_saved`):
+# latency, against `costs.prefill_seconds_saved`; link rates in [pcie](references.md#pcie)):
 
 # %%
 for dep in (DEP, DP):

@@ -6,25 +6,27 @@ from kimilab.costs import CacheShapes
 from kimilab.exercises import exercise
 from kimilab.pool import UnifiedPages
 
-GIB = 2**30
+DEP = costs.DEFAULT_DEPLOYMENT  # per device of vLLM's TP4 recipe
 
 
-@exercise("4.1", "requests in an 8 GiB unified pool",
-          hint="pages in the pool = budget // page_bytes; pages per request = its states' pages (ceil per layer) "
-               "+ 7 layers x 256 blocks; divide and round down.")
+@exercise("4.1", "4,096-token requests in one TP4 device's unified pool",
+          hint="pages in the pool = the device's cache budget // page bytes; pages per request = its states' pages "
+               "(rounded up per layer) + its KV blocks in every global layer; divide and round down.")
 def _():
-    s48, layout = CacheShapes.from_config(kimi_linear_48b), UnifiedPages()
+    s48, layout = CacheShapes.from_config(kimi_linear_48b, DEP), UnifiedPages()
     page_bytes = layout.page_bytes(s48)["main"]
-    return (8 * GIB // page_bytes) // (layout.footprint(s48, 4096).reserved_bytes // page_bytes)
+    budget = int(costs.cache_budget_bytes(kimi_linear_48b, DEP))
+    return (budget // page_bytes) // (layout.footprint(s48, 4096).reserved_bytes // page_bytes)
 
 
-@exercise("4.2", "vLLM's block at 64-token alignment",
-          hint="the smallest multiple of 64 tokens whose MLA page (tokens x 1,152 B) holds one KDA layer's states.")
+@exercise("4.2", "vLLM's block at 64-token alignment on a TP4 device",
+          hint="the smallest multiple of 64 tokens whose MLA page on one device holds one KDA layer's states there.")
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200, align_tokens=64).block_tokens
+    return costs.vllm_hybrid_pages(kimi_linear_48b, DEP, align_tokens=64).block_tokens
 
 
-@exercise("4.3", "padding of one vLLM state page",
-          hint="one layer's page (1,888 tokens x 1,152 B) minus one KDA layer's recurrent + conv state.")
+@exercise("4.3", "padding of one vLLM state page on a TP4 device",
+          hint="one layer's page on the device (its block x one MLA layer's bytes per token) minus one KDA layer's "
+               "recurrent + conv state on that device.")
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200).state_padding_bytes
+    return costs.vllm_hybrid_pages(kimi_linear_48b, DEP).state_padding_bytes

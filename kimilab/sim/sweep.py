@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kimilab.config import preset
 from kimilab.costs import Deployment, kv_bytes_per_token, vllm_hybrid_pages
+from kimilab.pool import RequestAllocator
 from kimilab.prefix import POLICIES, RunPrefixCache, make_policy
 from kimilab.prefix.blocks import split_prompt
 from kimilab.prefix.marconi import marconi_cache
@@ -35,7 +36,7 @@ from kimilab.sim.result import SimResult
 from kimilab.traffic import agent_requests, load_sessions, load_trace
 from kimilab.validate import check_choice, check_float, check_int
 
-__all__ = ["SGLANG_RATIO", "CACHES", "Replay", "replay", "replay_many", "vllm_align_interval"]
+__all__ = ["SGLANG_RATIO", "CACHES", "Replay", "replay", "replay_many", "vllm_align_interval", "simulate_many"]
 
 SGLANG_RATIO = 0.9  # SGLang's --mamba-full-memory-ratio default: states get r / (1 + r) of the memory
 CACHES = tuple(POLICIES) + ("vllm-align", "marconi", "oracle", "sglang-no-buffer", "sglang-extra-buffer")
@@ -152,6 +153,26 @@ def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
     with ProcessPoolExecutor(max_workers=workers) as pool:
         results = dict(zip(order, pool.map(replay, [jobs[key] for key in order], chunksize=1)))
     return {key: results[key] for key in keys}
+
+
+def _serve(job) -> SimResult:
+    requests, layout, shapes, budget, prefill = job
+    return simulate(requests, memory=RequestAllocator(layout, shapes, int(budget)), prefill_tokens_per_step=prefill,
+                    label=layout.key)
+
+
+def simulate_many(jobs: dict, *, workers: int | None = None) -> dict:
+    """Many independent memory-budget runs (chapter 4's layouts) spread over processes, as :func:`replay_many`:
+    ``{key: (requests, layout, shapes, budget_bytes, prefill_tokens_per_step)}`` -> ``{key: SimResult}``."""
+    for key, job in jobs.items():
+        if not (isinstance(job, tuple) and len(job) == 5):
+            raise ValueError(f"jobs[{key!r}]: expected (requests, layout, shapes, budget_bytes, prefill_tokens_per_step)")
+    workers = check_int("workers", min(2, os.cpu_count() or 1) if workers is None else workers, 1)
+    keys = list(jobs)
+    if workers == 1 or len(keys) < 2:
+        return {key: _serve(jobs[key]) for key in keys}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(keys, pool.map(_serve, [jobs[key] for key in keys], chunksize=2)))
 
 
 def _weight(job: Replay) -> float:
