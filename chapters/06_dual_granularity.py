@@ -46,7 +46,7 @@
 # vLLM's published Kimi-Linear recipe, four H200s at tensor parallelism 4, unless a cell
 # says DP-attention. The exactness and quality checks run the reduced, untrained `tiny`
 # model. Speeds are CPU speeds of a Python simulation. This chapter replays both real
-# traces 113 times; it takes about 45 s on two idle cores.
+# traces 119 times; it takes about 45 s on two idle cores.
 
 # %%
 import matplotlib.pyplot as plt
@@ -483,8 +483,11 @@ for t, path in TRACES.items():
 for gb in SIZES:
     jobs["conversation", "ends", "bf16", gb] = Replay(REAL, "ends", gb, DEP, precision="bf16")
 for gb in (10, 40):
-    for name in ("kv-only", "ends", "ends+branch", "dual"):
+    for name in ("kv-only", "ends", "ends+branch", "dual", "vllm-align"):
         jobs["conversation", name, "dp", gb] = Replay(REAL, name, gb, DP)
+    jobs["conversation", "vllm-align", "tp8", gb] = Replay(REAL, "vllm-align", gb, costs.VLLM_TP8_H200)
+    jobs["conversation", "vllm-align", "no-shared-prefix", gb] = Replay(REAL, "vllm-align", gb, DEP,
+                                                                         options=(("kv_boundary", False),))
 jobs |= {("conversation", n, "native", 40): Replay(REAL, n, 40, DEP) for n in ("every-block", "align")}
 runs = replay_many(jobs)
 print(f"{len(jobs)} replays of two real traces, per device of {DEP.name}")
@@ -729,11 +732,13 @@ for t in TRACES:
 # the distance to the attention bound is states that were never admitted or were
 # evicted, not bytes per state. A cheaper state pays most for policies that keep many.
 #
-# ## The same policies under DP-attention
+# ## The same policies under DP-attention, and vLLM on every deployment
 #
 # Under DP-attention each device holds whole requests, so a checkpoint costs 10.5 pages
 # there instead of 2.6: four times more KV per state. Does the verdict between `ends`,
-# `ends+branch` and `dual` move?
+# `ends+branch` and `dual` move? And vLLM's `align`, replayed at each deployment's own
+# block (480 tokens at TP4, 240 at TP8, 1,888 under DP-attention), with and without the
+# shared-prefix boundary:
 
 # %%
 for gb in (10, 40):
@@ -742,8 +747,19 @@ for gb in (10, 40):
     for label, got in (("TP4", tp), ("DP4", dp)):
         print(f"conversation {gb:>3} GB {label}: " + "  ".join(f"{n} {v:.3f}" for n, v in got.items())
               + f"   dual / ends {got['dual'] / got['ends']:.3f}, ends / kv-only {got['ends'] / got['kv-only']:.3f}")
+for gb in (10, 40):
+    v = {k: runs["conversation", "vllm-align", k, gb] for k in ("native", "tp8", "dp", "no-shared-prefix")}
+    print(f"vLLM align at {gb} GB on its own blocks: TP4 (480 tokens) {v['native'].usable_hit_rate:.3f}, "
+          f"TP8 (240) {v['tp8'].usable_hit_rate:.3f}, DP-attention (1,888) {v['dp'].usable_hit_rate:.3f}; "
+          f"TP4 without the shared-prefix boundary (PR #30877 alone) {v['no-shared-prefix'].usable_hit_rate:.3f}")
 
 # %% [markdown]
+# vLLM's own block is what decides its verdict: at TP4 and TP8 its blocks are finer than
+# the trace's and `align` keeps 0.158 and 0.163 at 40 GB, close to `dual`; under
+# DP-attention its 1,888-token blocks (a state costs 3 of them, the KV of 5,664 tokens)
+# leave 0.074 at 40 GB and 0.004 at 10 GB, where 22% of the prompts fit in one block and
+# can never hit. The shared-prefix boundary adds a little (0.154 to 0.158 at 40 GB).
+#
 # The ranking between the three does not move: `dual` is ahead of `ends` at 10 GB
 # (1.059 under TP4, 1.010 under DP-attention) and behind at 40 GB (0.870 and 0.963).
 # What moves is the price of every state: `ends` keeps 0.839 of the attention bound at
