@@ -193,7 +193,7 @@ ax.set_xscale("log")
 ax.set_xlabel("prompt length (tokens)")
 ax.set_ylabel("fraction of requests (CDF)")
 ax.set_title("Prompt lengths: two real traces and three generated workloads")
-ax.legend(loc="upper left", fontsize=8)
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
 plots.save(fig, "ch05-prompt-lengths")
 plt.show()
 
