@@ -184,39 +184,48 @@ class RunEviction:
     def _trim(self, run, n_pages: int, rival, ck) -> bool:
         """Evict the pending ``run``'s tail blocks in a tight loop while that changes no queue's order.
 
-        The run is first (reclaim just chose it). Under a policy that ranks a leaf by its last
-        use alone (``lru_leaves``), its rank stays the same after every block; under one that
-        ranks checkpoints by last use too (``lru_checkpoints``), a tail block's checkpoint goes
-        with it as in the block tree, which only raises the top of the checkpoint queue. So the
-        run stays first while its rank is below the next queued leaf's (``rival``) and at most
-        the top checkpoint's (``ck``), and its blocks go one after the other -- until a block
-        whose predecessor holds an unqueued checkpoint (the block tree would queue it: that is
-        the general path), until one block is left, or until enough pages are free.
-        Returns True when the next block needs the general path (:meth:`_evict_block`), False
-        when enough pages are free.
+        The run is first (reclaim just chose it at its rank ``run.priority``), so its last block
+        goes. Under a policy that ranks a leaf without a checkpoint by its last use alone
+        (``lru_leaves``) -- and, with ``lru_checkpoints``, a leaf with one too -- the next block
+        has the same rank; a tail block's checkpoint goes with it, as in the block tree, which only
+        raises the top of the checkpoint queue; so the run stays first while its rank is below the
+        next queued leaf's (``rival``) and at most the top checkpoint's (``ck``). It stops when the
+        next block's rank differs (returning False: reclaim compares again), before a block whose
+        predecessor holds an unqueued checkpoint (the block tree would queue it: the general path),
+        at the run's last block, or when enough pages are free. Returns True when the next block
+        needs the general path (:meth:`_evict_block`), False otherwise.
         """
         pool, policy, cks = self.pool, self.policy, run.checkpoints
-        rank = run.last_access
+        rank = run.priority
         if not policy.lru_leaves or (rival is not None and rank >= rival.priority) or (
                 ck is not None and rank > ck.priority):
             return True
-        with_cks = policy.lru_checkpoints
-        hi, k = run.hi, 0
-        while pool.n_free < n_pages and hi > run.lo:
+        lru_ck, block = policy.lru_checkpoints, self.block_size
+        hi, k, dropped, per_ck = run.hi, 0, 0, self.checkpoint_pages
+        free, changed = pool.n_free, False
+        while free < n_pages and hi > run.lo:
             below = cks.get(hi - 1)
             if below is not None and below.serial == -1:
                 break  # evicting this block queues the checkpoint below it: the general path
-            mine = cks.get(hi)
-            if mine is not None:
-                if not with_cks:
-                    break
-                self._drop_checkpoint(mine)
+            if hi in cks:
+                cks.pop(hi).run = None  # _drop_checkpoint, inlined: the block tree drops it with the block
+                dropped += 1
+                free += per_ck
             hi, k = hi - 1, k + 1
-            pool.n_free += 1
+            free += 1
+            nxt = (policy.kv_priority(self, run.last_access, hi * block, True) if hi in cks and not lru_ck
+                   else run.last_access)
+            if nxt != rank:  # the next block ranks differently: let reclaim compare again
+                rank, changed = nxt, True
+                break
+        pool.n_free = free
+        if dropped:
+            self.n_checkpoints -= dropped
+            self.checkpoints_evicted += dropped
         if k:
             del run.keys[-k:]
             run.hi = hi
             self.n_blocks -= k
             self.n_evicted += k
         run.priority = rank
-        return pool.n_free < n_pages
+        return not changed and pool.n_free < n_pages

@@ -221,12 +221,19 @@ class RunPrefixCache(RunEviction):
             branch = (0 <= j < n_path - 1 and len(path) >= 2 and path[-2].hi == matched
                       and len(path[-2].children) >= 2)
             ends = range(block, (n_path + 1) * block, block)  # every block is whole: ends are multiples
-            wanted = [i + 1 for i in policy.positions(Placement(ends, matched, usable, n, branch))
-                      if (i + 1) * block > usable]
-            if wanted:
-                los = [run.lo for run in path]
-                wanted = [(path[bisect.bisect_right(los, d) - 1], d) for d in wanted]
-                wanted = [(run, d) for run, d in wanted if d not in run.checkpoints]
+            first = usable // block  # positions are depths - 1; only those past the usable hit count
+            wanted, los = [], None
+            run, runs_hi = None, -1
+            for i in policy.positions(Placement(ends, matched, usable, n, branch)):
+                d = i + 1
+                if d <= first:
+                    continue
+                if d > runs_hi:  # the run holding depth d (path runs are in depth order)
+                    los = los or [r.lo for r in path]
+                    run = path[bisect.bisect_right(los, d) - 1]
+                    runs_hi = run.hi
+                if d not in run.checkpoints:
+                    wanted.append((run, d))
             got = self._allocate(self.checkpoint_pages, len(wanted))
             for run, d in wanted[:got]:
                 run.checkpoints[d] = ck = _Checkpoint(run, d, run.last_access)
@@ -238,7 +245,7 @@ class RunPrefixCache(RunEviction):
             if usable_ck is not None:
                 usable_ck.last_access = usable_ck.run.last_access
                 usable_ck.serial = -1
-                requeue.append(usable_ck)
+                requeue.insert(0, usable_ck)  # shallower than every new one: the list stays in tree order
         outcome = Outcome(n, kv_hit, usable, len(added), tuple(added), matched)
         self._finish(path, requeue)
         return outcome
@@ -252,15 +259,16 @@ class RunPrefixCache(RunEviction):
                 self._push_leaf(run)
         if self.policy.free_states:
             return
-        order = {id(run): i for i, run in enumerate(path)}
+        back = []
         if self._unqueued:
+            order = {id(run): i for i, run in enumerate(path)}
             back = [ck for ck in self._unqueued if ck.run is not None and id(ck.run) in order]
-            requeue.extend(back)
             self._unqueued.difference_update(back)
             self._unqueued = {ck for ck in self._unqueued if ck.run is not None}
+        if back:  # checkpoints dropped from the heap may sit anywhere on the path: sort them in
+            requeue = sorted(set(requeue + back), key=lambda ck: (order[id(ck.run)], ck.depth))
         todo = [ck for ck in requeue if ck.serial == -1 and ck.run is not None and ck.run.refcount == 0]
         if todo:
-            todo = sorted(set(todo), key=lambda ck: (order[id(ck.run)], ck.depth))
             self._push_checkpoints(todo)
 
     def check_invariants(self) -> None:
