@@ -14,14 +14,14 @@
 # %% [markdown]
 # # 5. Prefix caching for attention
 #
-# **What you'll build.** A replay of **real Kimi traffic** — the conversation trace
-# Moonshot AI published with Mooncake (FAST'25; [mooncake](references.md#mooncake)):
+# **What you'll build.** A replay of two kinds of **real traffic**: the conversation
+# trace Moonshot AI published with Mooncake (FAST'25; [mooncake](references.md#mooncake)),
 # 12,031 requests from one hour of Kimi's online service, anonymised to timestamps,
-# lengths and 512-token prefix-block hashes — beside generated traffic for what that
-# trace lacks (multi-turn chat we can run on the tiny model, agent/tool loops,
-# shared-document Q&A); a radix tree over page-sized blocks that caches KV pages across
-# requests; and a replay that measures how much prompt work the cache saves as its
-# capacity grows.
+# lengths and 512-token prefix-block hashes; and 80 real Claude Code agent sessions,
+# converted to the same form (`data/README.md`). Beside them, generated traffic for what
+# they lack (multi-turn chat we can run on the tiny model, shared-document Q&A). Then a
+# radix tree over page-sized blocks that caches KV pages across requests, and a replay
+# that measures how much prompt work the cache saves as its memory per device grows.
 #
 # **What you'll learn.**
 # - How a Mooncake trace describes prefix sharing with nothing but chained block ids.
@@ -34,11 +34,14 @@
 #   at the hit position the whole prompt must be recomputed anyway. That is the
 #   problem chapter 6 solves.
 #
-# **What you'll need.** Chapters 3 (the hybrid model and its cache) and 4 (the page
-# pool). One trace is real (`data/mooncake_conversation.jsonl`, Apache-2.0, source and
-# checksum in `data/README.md`); the others are generated, and the text says which is
-# which. The model is the reduced, untrained `tiny` config: the mechanisms are exact.
-# Everything runs on a CPU in a few seconds.
+# **What you'll need.** Chapters 3 (the hybrid model, its cache, and the named
+# deployments every byte and second is priced on) and 4 (the page pool). Two traces are
+# real (`data/mooncake_conversation.jsonl` and `data/claude_code_sessions.jsonl.gz`,
+# Apache-2.0, sources and checksums in `data/README.md`); the others are generated, and
+# the text says which is which. Bytes are per device of vLLM's Kimi-Linear recipe (four
+# H200s, tensor parallelism 4) unless a cell says otherwise. The model is the reduced,
+# untrained `tiny` config: the mechanisms are exact. Everything runs on a CPU in a few
+# seconds.
 
 # %%
 import matplotlib.pyplot as plt
@@ -59,6 +62,8 @@ from kimilab.tokenizer import ByteTokenizer
 from kimilab.traffic.generators import chat_specs
 
 plots.use_style()
+CFG = kimi_linear_48b
+DEP, DP = costs.DEFAULT_DEPLOYMENT, costs.DP4_EP4_H200
 
 # %% [markdown]
 # ## Requests that share prefixes
@@ -124,9 +129,13 @@ for rec in wl.to_trace(toy, block_size=4):
 
 # %%
 files = {"mooncake": "mooncake_conversation.jsonl",  # real: Kimi's traffic, as published
-         "chat": "chat.jsonl", "agent": "agent.jsonl", "document": "document.jsonl",  # generated
+         "chat": "chat.jsonl", "document": "document.jsonl",  # generated
          "conversation": "conversation_like.jsonl"}  # generated, shaped like the real trace
 traces = {key: wl.load_trace(f"../data/{name}", 512) for key, name in files.items()}
+# real agent traffic: 80 Claude Code sessions; they carry no start times, so sessions start as a
+# Poisson process at 0.05 per second and each replays its requests at their recorded offsets
+traces["claude-code"] = wl.agent_requests(wl.load_sessions(f"../data/{wl.CLAUDE_CODE}"), 0.05, seed=0)
+traces = {k: traces[k] for k in ("mooncake", "claude-code", "chat", "document", "conversation")}
 
 try:
     wl.parse_line('{"timestamp": 5, "input_length": 1000, "output_length": 7, "hash_ids": [0]}',
@@ -149,15 +158,23 @@ for key, records in traces.items():
 # `reuse` is the token-weighted hit rate of an *infinite* block cache (every block seen
 # before is a hit) — a property of the traffic, the ceiling for any real cache.
 #
-# The first row is the real trace; the others are ours. The generated conversation-like
+# The first two rows are real traffic. The Claude Code sessions are another world than
+# chat: prompts ten times longer, and 0.959 of their tokens at infinite cache are the
+# session's own earlier requests (the source reports 96.9% per session, [claude-code](references.md#claude-code)).
+# Their start times are our choice, stated above; the rows below them are generated.
+# Mooncake's release also holds a Kimi agent trace, `toolagent_trace.jsonl` ([mooncake](references.md#mooncake): 23,608 requests,
+# reported cache ratio 59%); the copy of the release this project could read has no such
+# file, so the book's agent numbers rest on the Claude Code sessions.
+#
+# The generated conversation-like
 # trace was written (before we shipped the real one) to match the real trace's
 # published length statistics, and it does — requests per hour, input mean, p50 and
 # p99 within a few percent, one common first block — but its reuse was not tuned, and
 # it is far too high: conversations of three turns on average give it an
 # infinite-cache ceiling well above the real trace's (the `reuse` column). Length
 # statistics do not pin down reuse, so from here on every Mooncake comparison is made on
-# the real trace; the generators stay for what it does not contain (agent loops that
-# fork, shared long documents, chat the tiny model can actually run):
+# the real trace; the generators stay for what it does not contain (shared long
+# documents, chat the tiny model can actually run):
 
 # %%
 real, generated = stats["mooncake"], stats["conversation"]
@@ -168,22 +185,24 @@ for field in ("requests", "input_mean", "input_p50", "input_p99", "output_mean",
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
+STYLE = {"claude-code": dict(color=plots.color("agent"), label="Claude Code agent sessions (real)")}
 for key, records in traces.items():
     lengths = np.sort([r.input_length for r in records])
-    ax.plot(lengths, np.arange(1, len(lengths) + 1) / len(lengths), **plots.style_of(key))
+    ax.plot(lengths, np.arange(1, len(lengths) + 1) / len(lengths), **(STYLE.get(key) or plots.style_of(key)))
 ax.set_xscale("log")
 ax.set_xlabel("prompt length (tokens)")
 ax.set_ylabel("fraction of requests (CDF)")
-ax.set_title("Prompt lengths: the real Kimi trace (black) and four generated workloads")
-ax.legend(loc="upper left", fontsize=8)
+ax.set_title("Prompt lengths: two real traces and three generated workloads")
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8)
 plots.save(fig, "ch05-prompt-lengths")
 plt.show()
 
 # %% [markdown]
 # The generated conversation-like trace (pink) meets the real one (black) at the median
 # and the 99th percentile, as it was tuned to, but not in between: the real trace has
-# many more short prompts. And it overstates reuse, as the next section measures. The agent and document workloads are long because their shared prefixes
-# (tool prompt, document) are long.
+# many more short prompts. And it overstates reuse, as the next section measures. The
+# real agent sessions (vermilion) are long from the first request on: a coding agent's
+# context is its tool definitions, the repository it read and every tool output so far.
 
 # %% [markdown]
 # ## A radix tree over blocks
@@ -235,15 +254,19 @@ for name, tokens in prompts.items():
 # the cache divided by all prompt tokens. A 100k-token hit on one request outweighs a
 # hundred 512-token hits, as it should: prefill work grows with tokens.
 #
-# `kimilab.sim.simulate(records, cache=tree)` feeds a trace through a tree in timestamp
+# `kimilab.sim.simulate(records, cache=...)` feeds a trace through a cache in timestamp
 # order, one request at a time (the book's one simulation loop; chapter 4 gave it a
-# memory budget instead of a cache): for each request it calls the tree's `serve`
-# (below) and adds up the hit. Capacity is the pool size in 512-token blocks; we sweep it from 4
-# blocks (2k tokens) to 65,536 blocks (33.6M tokens). The real trace is replayed whole,
-# by its own timestamps (its README asks for that). For the generated conversation-like
-# trace this cell replays its **first 10 minutes** (a time window, not a random sample,
-# so sessions stay whole), to keep the chapter within its time budget; the three small
-# traces in full.
+# memory budget instead of a cache): for each request it calls the cache's `serve`
+# (below) and adds up the hit. The caches here are attention-only (`kv-only`): for a
+# whole trace we use the run-length twin of this tree from chapter 6
+# (`prefix.RunPrefixCache` with the `kv-only` policy), which a test holds equal to it
+# request by request, and which is fast enough for 12,031 requests at eight sizes.
+# Capacity is KV memory **per device**: under vLLM's TP4 recipe each device holds the
+# whole MLA latent of every cached token (MLA has one latent head, replicated by tensor
+# parallelism), 8,064 bytes per token. We sweep from 4 blocks (2k tokens) to 65,536
+# blocks (33.6M tokens). The real traces are replayed whole, by their own timestamps;
+# the generated conversation-like trace in its **first 10 minutes** (a time window, not
+# a random sample, so sessions stay whole), to keep the chapter within its time budget.
 
 # %%
 show_source(RadixTree.serve)
@@ -253,42 +276,47 @@ window_ms = 10 * 60 * 1000
 replayed = dict(traces)
 replayed["conversation"] = [r for r in traces["conversation"] if r.arrival_ms < window_ms]  # generated
 capacities = [4, 16, 64, 256, 1024, 4096, 16384, 65536]  # blocks of 512 tokens
-timer = costs.PrefillTimer(kimi_linear_48b)  # chapter 3's roofline: 8 H800-class devices, TP attention
 hit = {key: [] for key in replayed}
 saved_ms = {key: [] for key in replayed}  # prefill (TTFT) saved per request, if every hit were usable
+results = {}
 for key, records in replayed.items():
     for blocks in capacities:
-        result = simulate(records, cache=RadixTree(PagePool(blocks, 1, backed=False), 512), keep_per_request=True)
-        hit[key].append(result.kv_hit_rate)
-        saved = sum(timer.seconds_saved(r.input_length, min(m.hit_tokens, r.input_length - 1))
-                    for r, m in zip(records, result.per_request))
-        saved_ms[key].append(1e3 * saved / len(records))
+        cache = prefix.RunPrefixCache(CFG, prefix.KVOnly(), deployment=DEP, block_size=512,
+                                      capacity_tokens=blocks * 512)
+        results[key, blocks] = r = simulate(records, cache=cache)
+        hit[key].append(r.kv_hit_rate)
+        saved_ms[key].append(r.prefill_ms_saved_per_request)
 ceiling = {key: wl.reuse_upper_bound(records, 512) for key, records in replayed.items()}
 
-for key in ("mooncake", "conversation"):
+for key in ("mooncake", "claude-code", "conversation"):
     print(f"{key}: {len(replayed[key]):,} requests, {sum(r.input_length for r in replayed[key]):,} prompt tokens")
 print("capacity (tokens): " + "  ".join(f"{b * 512:>9,d}" for b in capacities) + "   infinite")
 for key in replayed:
     print(f"{key:<17} " + "  ".join(f"{h:>9.3f}" for h in hit[key]) + f"   {ceiling[key]:8.3f}")
 
 # %%
-kv_bytes = costs.kv_bytes_per_token(kimi_linear_48b)
-print(f"Kimi-Linear-48B KV: {kv_bytes:,d} bytes per token ({kv_bytes * 1e6 / 1e9:.1f} GB per million tokens)")
+kv_bytes = costs.kv_bytes_per_token(CFG, DEP)
+budget_gb = costs.cache_budget_bytes(CFG, DEP) / 1e9
+print(f"Kimi-Linear-48B KV: {kv_bytes:,d} bytes per token per device ({kv_bytes * 1e6 / 1e9:.1f} GB per million "
+      f"tokens); one TP4 device has {budget_gb:.1f} GB for its cache = {budget_gb * 1e9 / kv_bytes / 1e6:.1f}M tokens")
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.3))
 x = np.array(capacities) * 512
 for key in replayed:
-    ax.plot(x, hit[key], marker="o", **plots.style_of(key))
-    ax.axhline(ceiling[key], color=plots.color(key), linestyle=":", linewidth=1)
-    ax2.plot(x, saved_ms[key], marker="o", **plots.style_of(key))
+    style = STYLE.get(key) or plots.style_of(key)
+    ax.plot(x, hit[key], marker="o", **style)
+    ax.axhline(ceiling[key], color=style["color"], linestyle=":", linewidth=1)
+    ax2.plot(x, saved_ms[key], marker="o", **style)
 for a in (ax, ax2):
     a.set_xscale("log")
-ax.set_xlabel("cache capacity (cached tokens; 1M tokens = 8.1 GB of Kimi-Linear-48B KV)")
+    a.axvline(budget_gb * 1e9 / kv_bytes, color="black", linestyle="--", linewidth=0.8)
+ax.text(budget_gb * 1e9 / kv_bytes * 1.15, 0.47, "one TP4\ndevice's\ncache\nbudget", ha="left", fontsize=8)
+ax.set_xlabel("cache capacity (cached tokens; 1M tokens = 8.1 GB of KV per device)")
 ax2.set_xlabel("cache capacity (cached tokens)")
 ax.set_ylim(0, 1)
 ax.set_ylabel("token-weighted hit rate")
 ax.set_title("Prefix-cache hit rate vs capacity (dotted: infinite cache)")
 ax2.set_yscale("log")
-ax2.set_ylabel("prefill saved per request (ms, roofline, log)")
+ax2.set_ylabel(f"prefill saved per request (ms, {DEP.name}, log)")
 ax2.set_title("... in prefill time, were every hit usable (48B)")
 handles, labels = ax.get_legend_handles_labels()
 fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
@@ -297,52 +325,70 @@ plt.show()
 
 # %% [markdown]
 # Each workload climbs from "only the shared first prefix fits" to its ceiling (dotted)
-# once the cache holds its working set — the blocks that will be asked for again before
-# LRU pushes them out. How much capacity that takes:
+# once the cache holds its working set -- the blocks that will be asked for again before
+# LRU pushes them out. How much capacity that takes, per device:
 
 # %%
 for key in replayed:
     reach = next((b * 512 for b, h in zip(capacities, hit[key]) if h >= 0.9 * ceiling[key]), None)
-    where = (f"at {reach:>9,d} cached tokens = {reach * kv_bytes / 1e9:6.2f} GB of 48B KV" if reach
+    where = (f"at {reach:>10,d} cached tokens = {reach * kv_bytes / 1e9:6.2f} GB of KV per device" if reach
              else f"not within {capacities[-1] * 512:,d} cached tokens")
     print(f"{key:<13} reaches 90% of its ceiling ({ceiling[key]:.3f}) {where}")
 for key in replayed:
-    print(f"{key:<13} prefill saved per request: {saved_ms[key][0]:6.2f} ms at {capacities[0] * 512:,d} tokens, "
-          f"{saved_ms[key][-1]:6.2f} ms at {capacities[-1] * 512:,d} (cold prefill "
-          f"{1e3 * np.mean([timer.seconds(r.input_length) for r in replayed[key]]):.1f} ms)")
+    r0, r1 = results[key, capacities[0]], results[key, capacities[-1]]
+    print(f"{key:<13} prefill saved per request: {saved_ms[key][0]:8.2f} ms at {capacities[0] * 512:,d} tokens, "
+          f"{saved_ms[key][-1]:8.2f} ms at {capacities[-1] * 512:,d} (cold prefill "
+          f"{1e3 * r1.prefill_seconds_cold / r1.requests:,.1f} ms, {DEP.name})")
 forty = next((b * 512 for b, h in zip(capacities, hit["mooncake"]) if h >= 0.40), None)
 print(f"real trace: hit rate >= 0.40 at {'no capacity swept (its ceiling is below 0.40)' if forty is None else f'{forty:,d} tokens'}")
+for key in ("mooncake", "claude-code"):
+    r = simulate(replayed[key], cache=prefix.RunPrefixCache(CFG, prefix.KVOnly(), deployment=DP, block_size=512,
+                                                           capacity_tokens=capacities[-1] * 512))
+    print(f"{key:<13} the same hits at {capacities[-1] * 512:,d} tokens under {DP.name}: "
+          f"{r.prefill_ms_saved_per_request:8.2f} ms saved of a {1e3 * r.prefill_seconds_cold / r.requests:,.1f} ms cold prefill")
+big = capacities[-1] * 512 * kv_bytes / 1e9
+print(f"33.6M cached tokens: {big:.2f} GB on EVERY device under TP4 (the latent is replicated) = "
+      f"{big / budget_gb:.2f}x one device's cache budget; sharded over the 4 devices of DP-attention "
+      f"{big / 4:.2f} GB each ({big / 4 / (costs.cache_budget_bytes(CFG, DP) / 1e9):.2f}x a DP device's budget)")
 
 # %% [markdown]
-# The small generated workloads are saturated by a cache of 131k tokens or less: their
-# sessions are short and their shared prefixes few. Conversation traffic is different:
-# thousands of conversations are open at once, each re-sending a history of ~12k tokens
-# after a pause, so its working set is millions of tokens. On the **real** trace the
-# hit rate stays at the shared first block's share (0.043) up to 131k cached tokens and
-# reaches 90% of its ceiling only at 33.6M cached tokens — 270.58 GB of KV at 48B
-# scale, several 8-GPU nodes' worth of HBM. The generated conversation-like window
-# saturates much earlier, at a higher level.
+# The small generated workloads are saturated by a cache of 131k tokens (1.06 GB of KV
+# per device): their sessions are short and their shared prefixes few. Real traffic is
+# different, in two ways:
 #
-# In time (the right panel, log scale; chapter 3's roofline for the 48B model, as if
-# every hit were usable, which chapter 6 shows it is not for a hybrid): on the real
-# trace a cache saves 0.59 ms of a 26.1 ms cold prefill per request while it holds only
-# the shared first block, and 8.34 ms at 33.6M cached tokens. The chat workload's
-# prompts are short, so even its 0.717 hit rate is worth about a millisecond.
+# - **Chat (Mooncake).** Thousands of conversations are open at once, each re-sending a
+#   history of ~12k tokens after a pause, so the working set is tens of millions of
+#   tokens. The hit rate stays at the shared first block's share (0.043) up to 131k
+#   cached tokens and reaches 90% of its ceiling only at 33.6M cached tokens. That is
+#   270.58 GB of KV *on every device* of the TP4 recipe, because tensor parallelism
+#   replicates MLA's one latent head: 2.74 times the 98.9 GB a device has for its cache.
+#   Sharded over the four devices of DP-attention it would be 67.65 GB each -- but a
+#   DP rank only hits its own cache, so that needs prefix-aware routing (chapter 10).
+#   What the trace asks for fits one instance only with a second tier (chapter 6).
+# - **Agents (Claude Code).** Each session re-sends its whole growing context, so a cache
+#   that holds the live sessions hits almost everything: 0.841 at 2.1M cached tokens and
+#   0.953 at 8.4M, 67.65 GB per device -- within one TP4 device's budget.
 #
-# The x-axis label converts tokens to bytes for the real model: Kimi-Linear-48B keeps
-# KV only in its 7 MLA layers, `costs.kv_bytes_per_token` = 8,064 bytes per token (printed
-# below), so a million cached tokens is
-# 8.1 GB.
+# In time (the right panel, log scale; chapter 3's cost model for the 48B model on the
+# TP4 recipe, as if every hit were usable, which chapter 6 shows it is not for a
+# hybrid): on the conversation trace a cache saves 10.81 ms of a 267.9 ms cold prefill
+# per request while it holds only the shared first block, and 96.11 ms at 33.6M cached
+# tokens; on the agent sessions 2841.56 ms of 2975.7 ms. Under DP-attention the same
+# hits save more time, because a request's whole prefill runs on one device (printed
+# above). The chat workload's prompts are short, so even its 0.717 hit rate is worth
+# 39.56 ms.
 #
-# **Against Mooncake's reported cache ratio.** Mooncake reports a cache ratio of about
+# **Against Mooncake's reported cache ratios.** Mooncake reports a cache ratio of about
 # 40% for this conversation trace ([mooncake](references.md#mooncake)). Replaying the
-# same trace, an infinite block cache serves 0.374 of its prompt tokens — close to the
+# same trace, an infinite block cache serves 0.374 of its prompt tokens -- close to the
 # reported figure, so their 40% is near what any cache could get from this traffic, and
-# no capacity in our sweep gets a plain LRU tree past 40% (its ceiling is below it).
+# no capacity in our sweep gets a plain LRU cache past 40% (its ceiling is below it).
 # The generated conversation-like trace, tuned only to the real trace's lengths, claims
-# a ceiling of 0.669 — 1.79 times the real one. An argument built on it would have
-# overstated every prefix-caching gain by that much; from here on, the book's Mooncake
-# numbers come from the real trace.
+# a ceiling of 0.669 over the whole hour -- 1.79 times the real one. An argument built on
+# it would have overstated every prefix-caching gain by that much; from here on, the
+# book's chat numbers come from the real trace. Mooncake reports 59% for its own
+# tool-and-agent trace; the Claude Code sessions' 0.959 is a coding agent re-sending its
+# entire context every step, not a number to compare one for one.
 
 # %% [markdown]
 # ## Whole blocks lose the tail
@@ -463,8 +509,8 @@ same_states = all(np.max(np.abs(restored.kda_state(i) - cold.kda_state(i))) < 1e
                   for i in tiny.kda_layers)
 print(f"resume from checkpoint at {kv_hit}: logits equal cold prefill (max |diff| < 1e-10): "
       f"{same_logits}; final KDA states equal: {same_states}")
-print(f"checkpoint size: {ckpt.nbytes:,} bytes for tiny; "
-      f"{costs.checkpoint_bytes(kimi_linear_48b):,} bytes for Kimi-Linear-48B")
+print(f"checkpoint size: {ckpt.nbytes:,} bytes for tiny; {costs.checkpoint_bytes(CFG, costs.ONE_H200):,} bytes "
+      f"for Kimi-Linear-48B (the whole model), {costs.checkpoint_bytes(CFG, DEP):,} on one TP4 device")
 
 # %% [markdown]
 # So how much of turn 2's prompt work does a cache save? Measure it: serve turn 1 and
@@ -536,32 +582,39 @@ plt.show()
 # checkpoint is large:
 
 # %%
-per_ckpt = costs.checkpoint_bytes(kimi_linear_48b)
-print(f"one checkpoint = {per_ckpt / 1e6:.1f} MB = KV of {per_ckpt / kv_bytes:,.0f} tokens "
-      f"= {per_ckpt / (kv_bytes * 512):.1f} blocks of 512 tokens")
+for dep in (DEP, DP):
+    per_ckpt = costs.checkpoint_bytes(CFG, dep)
+    print(f"{dep.name:<14} one checkpoint = {per_ckpt / 1e6:5.2f} MB per device = KV of {per_ckpt / kv_bytes:,.0f} "
+          f"tokens = {per_ckpt / (kv_bytes * 512):.2f} blocks of 512 tokens")
 
 # %% [markdown]
-# Priced in 512-token KV blocks, a checkpoint at every block boundary would cost about ten
-# times more memory than the KV it makes usable. (vLLM prices it per layer group instead,
-# about three of its much larger blocks; chapter 6 works through both.) Which positions
+# Priced in 512-token KV blocks on one device, a checkpoint at every block boundary would
+# cost 2.63 times more memory than the KV it makes usable under TP4 -- tensor parallelism
+# splits the states over the devices but not MLA's one latent head -- and 10.52 times
+# under DP-attention, where a device holds whole requests. (vLLM prices it per layer
+# group instead, three of its own blocks; chapter 6 works through both.) Which positions
 # deserve a checkpoint, and how many, is chapter 6.
 #
 # ## Summary
 #
-# - Traffic shares prefixes: chat re-sends history, agents re-send tool prompts and
-#   outputs, readers share documents. The Mooncake trace format captures that with
-#   chained 512-token block ids; `kimilab.traffic` loads Moonshot's real conversation
-#   trace and generates, exports, validates and reloads our own, byte-identically.
+# - Traffic shares prefixes: chat re-sends history, agents re-send their whole context,
+#   readers share documents. The Mooncake trace format captures that with chained
+#   512-token block ids; `kimilab.traffic` loads Moonshot's real conversation trace and
+#   80 real Claude Code agent sessions, and generates, exports, validates and reloads our
+#   own traces, byte-identically.
 # - A radix tree of blocks with pinning and leaf-first LRU turns that sharing into hits.
 #   On the real Kimi trace an infinite cache serves 0.374 of prompt tokens (Mooncake
-#   reports about 40%), and a cache needs tens of millions of tokens to approach that.
+#   reports about 40%) and 90% of that takes 270.58 GB of KV on every TP4 device, 2.74
+#   times a device's cache budget; the agent sessions reach 0.953 within one device
+#   (67.65 GB).
 # - A generated trace that matches the real one's length statistics still overstated its
 #   reuse by 1.79x (0.669): lengths do not determine reuse. Generated traffic is used
-#   only for what the real trace lacks: 0.72 (chat), 0.92 (agent), 0.94 (document).
+#   only for what the real traces lack: 0.717 (chat), 0.938 (document).
 # - Whole-block matching loses each prompt's partial last block; token-exact matching
 #   recovers part of it.
 # - For a hybrid model a KV hit is usable only where the KDA (and conv) state at that
-#   exact position was kept. A KV-only cache saves a hybrid model nothing.
+#   exact position was kept. A KV-only cache saves a hybrid model nothing, and a
+#   checkpoint costs 2.63 KV blocks per device under TP4, 10.52 under DP-attention.
 
 # %% [markdown]
 # ## Exercises
@@ -581,11 +634,11 @@ answer = (2900 // 512) * 512  # 5 full blocks; the last 340 tokens sat in a part
 verify("5.1", answer)
 
 # %% [markdown]
-# **5.2 Bytes of a million tokens.** How many GB (1e9 bytes) of Kimi-Linear-48B KV does
-# a cache of one million tokens hold?
+# **5.2 Bytes of a million tokens.** How many GB (1e9 bytes) of Kimi-Linear-48B KV does a
+# cache of one million tokens hold on each device of the TP4 recipe?
 
 # %% tags=["solution"]
-answer = costs.kv_bytes_per_token(kimi_linear_48b) * 1e6 / 1e9
+answer = costs.kv_bytes_per_token(CFG, DEP) * 1e6 / 1e9
 
 # %%
 verify("5.2", answer)
@@ -601,9 +654,10 @@ answer = wl.reuse_upper_bound(traces["mooncake"], 512)
 verify("5.3", answer)
 
 # %% [markdown]
-# **5.4 (open) Capacity.** Replay the agent trace (`traces["agent"]`) with
-# `simulate(..., cache=RadixTree(...))` at 8, 32 and 128 blocks. Where does the hit rate
-# jump, and how does that relate to the 6,000-token tool prompt (12 blocks)?
+# **5.4 (open) Capacity and concurrency.** The agent sessions' start times are ours.
+# Rebuild `traces["claude-code"]` with `wl.agent_requests(..., sessions_per_s)` at 0.01
+# and 0.2 sessions per second and replay each at 4,096 and 65,536 blocks. Why does the
+# rate move the hit rate of a small cache and hardly that of a large one?
 #
 # **5.5 (open) Full hour.** Replay all 12,044 requests of the generated
 # conversation-like trace at 4,096 blocks (a few seconds). Is the hit rate close to the

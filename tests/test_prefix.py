@@ -379,3 +379,21 @@ def test_abandon_takes_back_a_refused_requests_blocks_and_checkpoints():
     assert cache.serve(r.hash_ids, r.input_length).usable_hit == 2 * BS
     with pytest.raises(ValueError, match="computed"):
         cache.abandon([], -1)
+
+
+def test_the_engines_positions():
+    """chunk-ends: chunk ends from the hit, the request end and (vLLM / SGLang extra_buffer) the KV-hit boundary;
+    periodic: multiples of the interval from token 0 and the request end (TensorRT-LLM)."""
+    from kimilab.prefix import ChunkEnds, Periodic, Placement
+
+    ends = [4 * (i + 1) for i in range(10)]  # 4-token blocks
+    p = Placement(ends, n_matched=3, usable_end=4, n_tokens=41, branch=False)
+    assert ChunkEnds(8, kv_boundary=False).positions(p) == [2, 4, 6, 8, 9]  # 12, 20, 28, 36 and the end
+    assert ChunkEnds(8, kv_boundary=True).positions(p) == [2, 4, 6, 8, 9]  # the KV boundary (12) is a chunk end
+    assert ChunkEnds(16, kv_boundary=True).positions(p) == [2, 4, 8, 9]  # 12 (boundary), 20, 36, end
+    assert Periodic(8).positions(p) == [1, 3, 5, 7, 9]  # 8, 16, 24, 32, 40 (the end)
+    assert ChunkEnds(8, kv_boundary=True).positions(Placement(ends, 0, 0, 41)) == [1, 3, 5, 7, 9]
+    assert make_policy("chunk-ends", interval=1024, kv_boundary=False).describe() == \
+        "chunk-ends(interval=1024, kv_boundary=False)"
+    with pytest.raises(ValueError, match="periodic"):
+        make_policy("periodic", alpha=1.0)

@@ -1,7 +1,7 @@
 """RunPrefixCache (runs of blocks) is the exact twin of HybridPrefixCache (one node per block)."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from fuzzing import examples
 
 from kimilab import costs
@@ -70,6 +70,8 @@ def _both(choice, capacity_tokens):
 
 @settings(max_examples=examples(150), deadline=None)
 @given(conversations(), st.integers(1, 90), POLICY_CHOICES)
+# a trimmed run whose next tail holds a checkpoint ranked by FLOPs must be compared again (make fuzz found it)
+@example(turns=[([0] * 8, 0)] + [([0], 0)] * 14, capacity_blocks=30, choice="dual-interval")
 def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice):
     blocks, runs = _both(choice, capacity_blocks * BS)
     for r in _requests(turns):

@@ -6,6 +6,8 @@ from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
+from fuzzing import examples
 
 from kimilab import config
 from kimilab.costs import ONE_H200, CacheShapes
@@ -185,3 +187,85 @@ def test_a_parallel_sweep_gives_the_serial_numbers(data_dir):
     assert two["dual", 1].as_dict() | strip == by_hand.as_dict() | strip
     with pytest.raises(ValueError, match="jobs"):
         replay_many({"x": "not a job"})
+
+
+def test_every_cache_a_sweep_names_replays_and_the_shipped_ones_are_what_they_say(data_dir):
+    """Each of CACHES runs; vllm-align is chunk-ends at vLLM's block; SGLang's are segment caches on split pools."""
+    from kimilab.costs import VLLM_TP4_H200, vllm_hybrid_pages
+    from kimilab.prefix import RunPrefixCache
+    from kimilab.prefix.policies import ChunkEnds
+    from kimilab.sim import CACHES, Replay, rekey, replay, vllm_align_interval
+
+    trace = str(data_dir / "agent.jsonl")
+    records = load_trace(trace)[:200]
+    results = {}
+    for name in CACHES:
+        results[name] = replay(Replay(trace, name, 2, VLLM_TP4_H200))
+        assert results[name].policy == name or name in ("kv-only", "no-states") or results[name].policy
+        assert 0.0 <= results[name].usable_hit_rate <= results[name].kv_hit_rate + 1e-12 or name == "oracle"
+    assert results["no-states"].usable_hit_rate == 0.0
+    block = vllm_hybrid_pages(config.kimi_linear_48b, VLLM_TP4_H200).block_tokens
+    assert block == 480 and vllm_align_interval(VLLM_TP4_H200, block) == 8160
+    by_hand = simulate(rekey(load_trace(trace), 512, block), cache=RunPrefixCache(
+        config.kimi_linear_48b, ChunkEnds(8160, kv_boundary=True), deployment=VLLM_TP4_H200, block_size=block,
+        capacity_tokens=Replay(trace, "vllm-align", 2, VLLM_TP4_H200).capacity_tokens()))
+    assert by_hand.usable_hit_rate == results["vllm-align"].usable_hit_rate
+    assert "online alpha" in results["marconi"].policy_detail
+    with pytest.raises(ValueError, match="policy"):
+        replay(Replay(trace, "lfu", 2, VLLM_TP4_H200))
+    assert len(records) == 200
+
+
+def test_the_agent_sessions_replay_on_their_poisson_timeline(data_dir):
+    from kimilab.costs import VLLM_TP4_H200
+    from kimilab.sim import Replay
+    from kimilab.sim.sweep import _records
+    from kimilab.traffic import CLAUDE_CODE, agent_requests, load_sessions
+
+    path = str(data_dir / CLAUDE_CODE)
+    got = _records(Replay(path, "ends", 10, VLLM_TP4_H200, sessions_per_s=0.1, seed=3))
+    want = agent_requests(load_sessions(path), 0.1, seed=3)
+    assert [(r.arrival_ms, r.hash_ids) for r in got] == [(r.arrival_ms, r.hash_ids) for r in want]
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=6), st.integers(0, 511)),
+                min_size=1, max_size=12), st.sampled_from([240, 480, 1024, 1888]))
+@settings(max_examples=examples(60), deadline=None)
+def test_rekeying_never_claims_a_hit_the_trace_does_not_prove(turns, new_block):
+    """Engine blocks finer or coarser than the trace's: a hit is at most the prompts' proven common prefix."""
+    from kimilab.sim import rekey
+
+    table, recs = {}, []
+    for t, (path, short) in enumerate(turns):
+        ids = tuple(table.setdefault((tuple(path[: j + 1]), short if j == len(path) - 1 else 0), len(table))
+                    for j in range(len(path)))
+        recs.append(Request(t, t, len(path) * 512 - short, 1, hash_ids=ids))
+    coarse = rekey(recs, 512, new_block)
+    for a, b, ca, cb in zip(recs, recs[1:], coarse, coarse[1:]):
+        proven = 0
+        for x, y in zip(a.hash_ids, b.hash_ids):
+            if x != y:
+                break
+            proven += 1
+        shared = 0
+        for x, y in zip(ca.hash_ids, cb.hash_ids):
+            if x != y:
+                break
+            shared += 1
+        assert len(cb.hash_ids) == -(-cb.input_length // new_block)
+        whole = min(shared, ca.input_length // new_block, cb.input_length // new_block)
+        assert whole * new_block <= proven * 512
+
+
+def test_simulate_many_gives_the_serial_numbers():
+    from kimilab.sim import simulate_many
+
+    reqs = mixed_workload(1, duration_ms=3000, doc_window_ms=(1000, 2000), chat_rate_per_s=8.0)
+    jobs = {name: (reqs, layout, SHAPES, 2**29, None if name == "unified" else 1024)
+            for name, layout in (("unified", UnifiedPages()), ("split", SplitPools(0.5)))}
+    two, one = simulate_many(jobs, workers=2), simulate_many(jobs, workers=1)
+    for k in jobs:
+        assert two[k].summary() == one[k].summary() == simulate(
+            reqs, memory=RequestAllocator(jobs[k][1], SHAPES, 2**29), prefill_tokens_per_step=jobs[k][4]).summary()
+    with pytest.raises(ValueError, match="jobs"):
+        simulate_many({"x": (reqs,)})

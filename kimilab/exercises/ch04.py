@@ -6,31 +6,33 @@ from kimilab.costs import CacheShapes
 from kimilab.exercises import exercise
 from kimilab.pool import UnifiedPages
 
-GIB = 2**30
+DEP = costs.DEFAULT_DEPLOYMENT  # per device of vLLM's TP4 recipe
 
 
-@exercise("4.1", "requests in an 8 GiB unified pool",
-          hint=("A request's footprint is whole pages: its fixed states, then its KV pages.",
-                "Round up per layer and per kind, count a request's pages, and see how many whole requests "
-                 "the budget's pages hold."))
+@exercise("4.1", "4,096-token requests in one TP4 device's unified pool",
+          hint=("A request's footprint is whole pages: its fixed states, then its KV pages, all sized for one "
+                "device.",
+                "Count the pool's pages from the device's cache budget, then a request's pages (rounded up per "
+                "layer and kind), and see how many whole requests fit."))
 def _():
-    s48, layout = CacheShapes.from_config(kimi_linear_48b, costs.ONE_H200), UnifiedPages()
+    s48, layout = CacheShapes.from_config(kimi_linear_48b, DEP), UnifiedPages()
     page_bytes = layout.page_bytes(s48)["main"]
-    return (8 * GIB // page_bytes) // (layout.footprint(s48, 4096).reserved_bytes // page_bytes)
+    budget = int(costs.cache_budget_bytes(kimi_linear_48b, DEP))
+    return (budget // page_bytes) // (layout.footprint(s48, 4096).reserved_bytes // page_bytes)
 
 
-@exercise("4.2", "vLLM's block at 64-token alignment",
+@exercise("4.2", "vLLM's block at 64-token alignment on a TP4 device",
           hint=("vLLM makes every layer's page the same size, so an attention block must be large enough to "
-                 "hold one KDA layer's states.",
+                "hold one KDA layer's states on one device.",
                 "The block's token count is a multiple of the alignment; take the smallest one whose "
-                 "attention page holds the states."))
+                "attention page holds the states."))
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200, align_tokens=64).block_tokens
+    return costs.vllm_hybrid_pages(kimi_linear_48b, DEP, align_tokens=64).block_tokens
 
 
-@exercise("4.3", "padding of one vLLM state page",
+@exercise("4.3", "padding of one vLLM state page on a TP4 device",
           hint=("Equal-size pages: a state page is as big as an attention block's page, whatever the state "
-                 "needs.",
-                "Padding is the page's bytes minus one KDA layer's recurrent and conv state bytes."))
+                "needs.",
+                "Padding is the page's bytes minus one KDA layer's recurrent and conv state bytes, on one device."))
 def _():
-    return costs.vllm_hybrid_pages(kimi_linear_48b, costs.ONE_H200).state_padding_bytes
+    return costs.vllm_hybrid_pages(kimi_linear_48b, DEP).state_padding_bytes

@@ -53,6 +53,8 @@ class LcmPagePool:
         self.large = PagePool(n_large, self.large_bytes, backed=False, name=name)
         self.per_large = {k: self.large_bytes // b for k, b in self.small_bytes.items()}
         self._held: dict[str, dict[int, list]] = {k: {} for k in self.small_bytes}  # kind -> {large id: [alloc, free slots]}
+        # kind -> {large id: entry} of held large pages with a free slot, in the order they got one
+        self._partial: dict[str, dict[int, list]] = {k: {} for k in self.small_bytes}
         self._spare: dict[str, int] = dict.fromkeys(self.small_bytes, 0)  # free small slots per kind
         self._used_small = dict.fromkeys(self.small_bytes, 0)
         self._requested = dict.fromkeys(self.small_bytes, 0)
@@ -84,20 +86,22 @@ class LcmPagePool:
             need = -(-(n - self._spare[kind]) // self.per_large[kind])
             raise self.exhausted(kind, need)
         taken: list[tuple[int, int]] = []  # (large block id, small pages taken there)
-        held = self._held[kind]
+        held, partial = self._held[kind], self._partial[kind]
         remaining = n
-        for lid, entry in held.items():  # fill partly used large pages first
-            if remaining == 0:
-                break
+        while remaining and partial:  # fill partly used large pages first, the longest partial first
+            lid, entry = next(iter(partial.items()))
             take = min(entry[1], remaining)
-            if take:
-                entry[1] -= take
-                taken.append((lid, take))
-                remaining -= take
+            entry[1] -= take
+            taken.append((lid, take))
+            remaining -= take
+            if not entry[1]:
+                del partial[lid]
         while remaining:
             alloc = self.large.allocate(kind, 1)
             take = min(self.per_large[kind], remaining)
-            held[alloc.block_id] = [alloc, self.per_large[kind] - take]
+            held[alloc.block_id] = entry = [alloc, self.per_large[kind] - take]
+            if entry[1]:
+                partial[alloc.block_id] = entry
             self._spare[kind] += self.per_large[kind]
             taken.append((alloc.block_id, take))
             remaining -= take
@@ -113,14 +117,17 @@ class LcmPagePool:
             kind, taken, nbytes = self._live.pop(handle.ticket)
         except (KeyError, AttributeError):
             raise DoubleFree(f"{self.name}: handle {handle!r} is not live (freed twice or foreign)") from None
-        held = self._held[kind]
+        held, partial = self._held[kind], self._partial[kind]
         for lid, take in taken:
             entry = held[lid]
             entry[1] += take
             if entry[1] == self.per_large[kind]:  # the large page is empty again
                 self.large.free(entry[0])
                 del held[lid]
+                partial.pop(lid, None)
                 self._spare[kind] -= self.per_large[kind]
+            else:
+                partial.setdefault(lid, entry)
         n = sum(t for _, t in taken)
         self._spare[kind] += n
         self._used_small[kind] -= n
@@ -134,6 +141,8 @@ class LcmPagePool:
             assert in_use == self._used_small[kind], kind
             assert self._spare[kind] == sum(entry[1] for entry in held.values()), kind
             assert len(held) * self.per_large[kind] == in_use + self._spare[kind], kind
+            partial = {lid for lid, entry in held.items() if entry[1]}
+            assert partial == set(self._partial[kind]), kind
         assert self.large.n_used == sum(len(h) for h in self._held.values()), "large pages held"
 
     @property

@@ -13,8 +13,15 @@ how to rank evictable things (lower goes first).
 * ``ends+branch`` ``ends`` plus branch points discovered as traffic arrives (kept
                   while they branch), still plain LRU: ``dual`` without ``alpha``;
 * ``dual``        states at request ends and at branch points discovered as
-                  traffic arrives, evicted by recency + FLOPs saved per byte
-                  (Marconi); optional coarse checkpoints every ``interval`` tokens.
+                  traffic arrives, evicted by recency + alpha x (FLOPs of the
+                  whole prefix per checkpoint); optional coarse checkpoints every
+                  ``interval`` tokens. Marconi's own eviction is in
+                  :mod:`kimilab.prefix.marconi`;
+* ``chunk-ends``  what vLLM ``align`` and SGLang's scheduler strategies admit: a
+                  state at each prefill chunk's end, at the request end and
+                  (``kv_boundary``) where a prompt's KV hit outruns its state hit;
+* ``periodic``    TensorRT-LLM's ``mamba_state_cache_interval``: states at every
+                  multiple of ``interval`` from token 0, and at the request end.
 
 ``dual`` = ``ends`` + branch points + FLOP-aware eviction (``alpha``), each a
 subclass of the one before: ``ends+branch`` - ``ends`` measures what branch
@@ -32,8 +39,8 @@ from kimilab.validate import check_float, check_int
 if TYPE_CHECKING:
     from kimilab.prefix.hybrid import HybridPrefixCache
 
-__all__ = ["Placement", "Policy", "KVOnly", "NoStates", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "POLICIES",
-           "make_policy", "check_interval"]
+__all__ = ["Placement", "Policy", "KVOnly", "NoStates", "EveryBlock", "Align", "Ends", "EndsBranch", "Dual", "ChunkEnds",
+           "Periodic", "POLICIES", "make_policy", "check_interval"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class Policy:
     # (kv_priority(cache, t, end, False) == t). RunPrefixCache then evicts a run's tail in
     # one step; a policy whose leaf rank depends on depth must set it False.
     lru_leaves = True
+    # True: checkpoints rank by last use alone, as KV leaves with a checkpoint do
+    # (checkpoint_priority(cache, t, end) == kv_priority(cache, t, end, True) == t), so
+    # RunPrefixCache may evict a run's checkpointed tail in one step too.
+    lru_checkpoints = True
 
     def positions(self, p: Placement) -> list[int]:
         """Indices into ``p.path`` whose end should get a checkpoint."""
@@ -233,6 +244,7 @@ class Dual(EndsBranch):
     """
 
     name = "dual"
+    lru_checkpoints = False
 
     def __init__(self, interval: int | None = None, alpha: float = 0.005):
         check_float("Dual.alpha", alpha, minimum=0.0)
@@ -269,19 +281,71 @@ class Dual(EndsBranch):
         return f"{self.name}(interval={self.interval}, alpha={self.alpha:g})"
 
 
+def _kv_boundary(p: Placement) -> list[int]:
+    """The deepest matched block, when the prompt's KV hit reaches past its usable hit and the prompt
+    goes on: vLLM's shared-prefix boundary, SGLang's ``mamba_branching_seqlen``."""
+    j = p.n_matched - 1
+    return [j] if 0 <= j < len(p.ends) - 1 and p.ends[j] > p.usable_end else []
+
+
+class ChunkEnds(Align):
+    """States where the engines that ship put them, with plain LRU eviction.
+
+    A prefill runs in chunks of ``interval`` tokens from the usable hit (vLLM ``align`` splits
+    chunks on its block grid: ``interval`` = ``max_num_batched_tokens`` rounded down to blocks;
+    SGLang ``no_buffer`` copies the state at each chunked-prefill chunk's end); each chunk end
+    and the request end get a state. ``kv_boundary=True`` adds one more: the deepest block of the
+    prompt's KV hit when it lies past the usable hit -- vLLM's shared-prefix boundary (Marconi's
+    idea, merged for ``align``) and SGLang ``extra_buffer``'s branching point. With
+    ``kv_boundary=False`` it is :class:`Align`.
+    """
+
+    name = "chunk-ends"
+
+    def __init__(self, interval: int = 8192, kv_boundary: bool = True):
+        super().__init__(interval)
+        self.kv_boundary = bool(kv_boundary)
+
+    def positions(self, p: Placement) -> list[int]:
+        out = super().positions(p)
+        return sorted(set(out + _kv_boundary(p))) if self.kv_boundary else out
+
+    def describe(self) -> str:
+        return f"{self.name}(interval={self.interval}, kv_boundary={self.kv_boundary})"
+
+
+class Periodic(Ends):
+    """TensorRT-LLM's ``mamba_state_cache_interval``: a state at every multiple of ``interval``
+    tokens counted from token 0 (not from the hit), and one at the request end; LRU."""
+
+    name = "periodic"
+
+    def __init__(self, interval: int = 2048):
+        self.interval = interval
+
+    def positions(self, p: Placement) -> list[int]:
+        out = [i for i, end in enumerate(p.ends) if end > p.usable_end and end % self.interval == 0]
+        return sorted(set(out + _request_end(p)))
+
+    def describe(self) -> str:
+        return f"{self.name}(interval={self.interval})"
+
+
 POLICIES = {"kv-only": KVOnly, "no-states": NoStates, "every-block": EveryBlock, "align": Align, "ends": Ends,
-            "ends+branch": EndsBranch, "dual": Dual}
+            "ends+branch": EndsBranch, "dual": Dual, "chunk-ends": ChunkEnds,
+            "periodic": Periodic}
 
 
 def make_policy(name: str, **kwargs) -> Policy:
-    """A fresh policy object by name (``interval=`` for align/dual, ``alpha=`` for dual, e.g.
-    ``make_policy("dual", alpha=0.0)``)."""
+    """A fresh policy object by name (``interval=`` for align/dual/chunk-ends/periodic, ``alpha=`` for
+    dual, ``kv_boundary=`` for chunk-ends; e.g. ``make_policy("dual", alpha=0.0)``)."""
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
     try:
         return POLICIES[name](**kwargs)
     except TypeError:
         raise ValueError(f"policy={name!r}: unexpected options {sorted(kwargs)} "
-                         f"(interval= for align/dual, alpha= for dual)") from None
+                         f"(interval= for align/dual/chunk-ends/periodic, alpha= for dual, "
+                         f"kv_boundary= for chunk-ends)") from None
 
 

@@ -19,7 +19,6 @@ one request at a time (:meth:`serve`), whole blocks keyed by hash ids.
 from __future__ import annotations
 
 import bisect
-import heapq
 
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment
@@ -27,6 +26,8 @@ from kimilab.pool.pages import UNBOUNDED_PAGES, PageCount
 from kimilab.prefix.blocks import split_prompt
 from kimilab.prefix.hybrid import Outcome, shared_costs
 from kimilab.prefix.policies import Placement, Policy, check_interval
+from kimilab.prefix.precision import checkpoint_bytes as precision_bytes
+from kimilab.prefix.run_evict import RunEviction
 from kimilab.validate import check_int
 
 __all__ = ["RunPrefixCache"]
@@ -61,11 +62,11 @@ class _Checkpoint:
         self.serial = -1
 
 
-class RunPrefixCache:
+class RunPrefixCache(RunEviction):
     """Accounting-only hybrid prefix cache over runs of blocks; results equal :class:`HybridPrefixCache`'s."""
 
     def __init__(self, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
-                 capacity_tokens: int | None):
+                 capacity_tokens: int | None, precision: str = "native"):
         if not isinstance(policy, Policy):
             raise ValueError(f"policy: expected a kimilab.prefix.Policy, got {type(policy).__name__}")
         self.block_size = block_size = check_int("block_size", block_size, 1, unit="tokens")
@@ -82,7 +83,9 @@ class RunPrefixCache:
         self.costs = costs = shared_costs(config, deployment)
         self.pool = PageCount(n_pages, block_size * costs.kv_bytes_per_token)
         self.policy = policy
-        self.checkpoint_pages = 0 if policy.free_states else -(-costs.checkpoint_bytes // self.pool.page_bytes)
+        self.precision = precision  # the checkpoints' (kimilab.prefix.precision): sets their pages
+        self.checkpoint_bytes = precision_bytes(config, deployment, precision)
+        self.checkpoint_pages = 0 if policy.free_states else -(-self.checkpoint_bytes // self.pool.page_bytes)
         self.root = _Run([], 1, None, 0.0)
         self.root.hi = 0
         self.root.refcount = 1
@@ -94,6 +97,7 @@ class RunPrefixCache:
         self._serial = 0
         self.n_checkpoints = self.checkpoints_admitted = self.checkpoints_evicted = 0
         self.pages_admitted = 0
+        self._unqueued: set = set()  # checkpoints whose heap entry was dropped while their run was pinned
 
     # ----- the clock and the ranks (as HybridPrefixCache) ------------------------
     @property
@@ -107,184 +111,6 @@ class RunPrefixCache:
     @property
     def checkpoint_pages_used(self) -> int:
         return self.n_checkpoints * self.checkpoint_pages
-
-    def _push_leaf(self, run: _Run) -> None:
-        self._leaf_serial += 1
-        run.heap_serial = serial = self._leaf_serial
-        run.priority = priority = self.policy.kv_priority(self, run.last_access, run.hi * self.block_size,
-                                                          run.hi in run.checkpoints)
-        heapq.heappush(self._leaf_heap, (priority, serial, run))
-        if len(self._leaf_heap) > 64 + 4 * self.n_runs:
-            self._leaf_heap = [e for e in self._leaf_heap if self._leaf_valid(e)]
-            heapq.heapify(self._leaf_heap)
-
-    @staticmethod
-    def _leaf_valid(entry) -> bool:
-        _, serial, run = entry
-        return run.alive and run.heap_serial == serial and run.refcount == 0 and not run.children
-
-    def _peek_leaf(self) -> _Run | None:
-        heap = self._leaf_heap
-        while heap:
-            if self._leaf_valid(heap[0]):
-                return heap[0][2]
-            heapq.heappop(heap)
-        return None
-
-    def _ck_valid(self, entry) -> bool:
-        _, serial, ck = entry
-        run = ck.run
-        if run is None or ck.serial != serial or run.refcount:
-            return False
-        if self.policy.protect_branch_points:
-            children = 1 if ck.depth < run.hi else len(run.children)
-            if children != 1:
-                return False
-        return True
-
-    @staticmethod
-    def _forget(entry) -> None:
-        ck = entry[2]
-        if ck.run is not None and ck.serial == entry[1]:
-            ck.serial = -1
-
-    def _push_checkpoint(self, ck: _Checkpoint) -> None:
-        self._serial += 1
-        ck.serial = serial = self._serial
-        ck.priority = priority = self.policy.checkpoint_priority(self, ck.last_access, ck.depth * self.block_size)
-        heapq.heappush(self._heap, (priority, serial, ck))
-        if len(self._heap) > 64 + 4 * max(self.n_checkpoints, 1):
-            keep = []
-            for entry in self._heap:
-                if self._ck_valid(entry):
-                    keep.append(entry)
-                else:
-                    self._forget(entry)
-            heapq.heapify(keep)
-            self._heap = keep
-
-    def _peek_checkpoint(self) -> _Checkpoint | None:
-        heap = self._heap
-        while heap:
-            if self._ck_valid(heap[0]):
-                return heap[0][2]
-            self._forget(heapq.heappop(heap))
-        return None
-
-    # ----- eviction ---------------------------------------------------------------
-    def _drop_checkpoint(self, ck: _Checkpoint) -> None:
-        del ck.run.checkpoints[ck.depth]
-        ck.run = None
-        self.n_checkpoints -= 1
-        self.checkpoints_evicted += 1
-        self.pool.n_free += self.checkpoint_pages
-
-    def _evict_block(self, run: _Run) -> bool:
-        """Evict the last block of an evictable leaf run (the block tree's ``_evict`` of one leaf).
-
-        Returns True if the run still has blocks: its new last block is then an
-        unpinned leaf, which the caller must queue (``_push_leaf``) before anything
-        else enters the leaf queue -- :meth:`reclaim` may first trim it further.
-        """
-        hi = run.hi
-        ck = run.checkpoints.get(hi)
-        if ck is not None:
-            self._drop_checkpoint(ck)
-        owner, depth = (run, hi - 1) if run.lo < hi else (run.parent, run.lo - 1)
-        parent_ck = owner.checkpoints.get(depth)
-        if parent_ck is not None and owner.refcount == 0 and parent_ck.serial == -1:
-            self._push_checkpoint(parent_ck)
-        run.keys.pop()
-        run.hi = hi - 1
-        self.n_blocks -= 1
-        self.n_evicted += 1
-        self.pool.n_free += 1
-        if run.lo <= run.hi:
-            return True
-        parent = run.parent
-        del parent.children[run.key]
-        run.alive = False
-        self.n_runs -= 1
-        if parent.refcount == 0 and not parent.children and parent is not self.root:
-            self._push_leaf(parent)
-        return False
-
-    def reclaim(self, n_pages: int) -> bool:
-        """Evict until ``n_pages`` are free, in exactly the block tree's order.
-
-        A leaf run whose tail was just evicted stays *pending* instead of going back
-        into the leaf queue: the block tree would queue its new last block with the
-        newest serial, so it comes out next only if its rank is strictly below every
-        queued leaf's -- which is checked directly, and the run trimmed again in place.
-        """
-        pool, policy, block = self.pool, self.policy, self.block_size
-        pending = None
-        try:
-            while pool.n_free < n_pages:
-                leaf = top = self._peek_leaf()
-                if pending is not None:
-                    if top is None or pending.priority < top.priority:
-                        leaf = pending
-                    else:
-                        self._push_leaf(pending)
-                        pending = None
-                ck = self._peek_checkpoint()
-                if ck is not None and (leaf is None or leaf.priority > ck.priority):
-                    if pending is not None:
-                        self._push_leaf(pending)
-                        pending = None
-                    run = ck.run
-                    self._drop_checkpoint(ck)
-                    if ck.depth == run.hi and run.refcount == 0 and not run.children:
-                        self._push_leaf(run)  # requeue: its rank no longer includes the checkpoint
-                    continue
-                if leaf is None:
-                    return False
-                if leaf is pending and not self._trim(leaf, n_pages, top, ck):
-                    continue
-                if self._evict_block(leaf):
-                    pending = leaf
-                    leaf.heap_serial = -1  # any queued entry of it is stale now
-                    leaf.priority = policy.kv_priority(self, leaf.last_access, leaf.hi * block,
-                                                       leaf.hi in leaf.checkpoints)
-                else:
-                    pending = None
-        finally:
-            if pending is not None:
-                self._push_leaf(pending)
-        return True
-
-    def _trim(self, run: _Run, n_pages: int, rival: _Run | None, ck: _Checkpoint | None) -> bool:
-        """Evict the pending ``run``'s tail blocks in a tight loop while that touches no queue.
-
-        A block goes this way when neither it nor the block before it holds a
-        checkpoint and the run keeps a block: then no checkpoint is dropped or queued,
-        the next queued leaf (``rival``) and checkpoint (``ck``) stay the same, and the
-        run stays first while its new rank is below both (as :meth:`reclaim` decides).
-        Returns True when the next block needs the general path (:meth:`_evict_block`),
-        False when enough pages are free or the run is no longer first.
-        """
-        pool, policy, cks = self.pool, self.policy, run.checkpoints
-        if not policy.lru_leaves:  # the rank may change with every block: the general path, block by block
-            return True
-        # A leaf without a checkpoint ranks by its last use alone: the same rank after every
-        # block, so the whole stretch down to the next checkpoint goes in one step.
-        if run.hi in cks:
-            return True
-        below = max([d for d in cks if d < run.hi], default=0)
-        room = run.hi - max(run.lo + 1, below + 2) + 1  # blocks that may go this way
-        if room <= 0:
-            return True
-        rank = run.last_access
-        stuck = (rival is not None and rank >= rival.priority) or (ck is not None and rank > ck.priority)
-        k = 1 if stuck else min(room, n_pages - pool.n_free)
-        del run.keys[-k:]
-        run.hi -= k
-        self.n_blocks -= k
-        self.n_evicted += k
-        pool.n_free += k
-        run.priority = rank
-        return k == room and not stuck and pool.n_free < n_pages
 
     def _allocate(self, n_pages: int, count: int) -> int:
         """How many of ``count`` allocations of ``n_pages`` pages fit, reclaiming once for all."""
@@ -376,7 +202,7 @@ class RunPrefixCache:
         n_path = matched + new
         limit = n - 1
         kv_hit = min(matched * block, limit)
-        added = []
+        added, requeue = [], []
         if policy.free_states:
             usable = kv_hit
         else:
@@ -395,15 +221,23 @@ class RunPrefixCache:
             branch = (0 <= j < n_path - 1 and len(path) >= 2 and path[-2].hi == matched
                       and len(path[-2].children) >= 2)
             ends = range(block, (n_path + 1) * block, block)  # every block is whole: ends are multiples
-            wanted = [i + 1 for i in policy.positions(Placement(ends, matched, usable, n, branch))
-                      if (i + 1) * block > usable]
-            if wanted:
-                los = [run.lo for run in path]
-                wanted = [(path[bisect.bisect_right(los, d) - 1], d) for d in wanted]
-                wanted = [(run, d) for run, d in wanted if d not in run.checkpoints]
+            first = usable // block  # positions are depths - 1; only those past the usable hit count
+            wanted, los = [], None
+            run, runs_hi = None, -1
+            for i in policy.positions(Placement(ends, matched, usable, n, branch)):
+                d = i + 1
+                if d <= first:
+                    continue
+                if d > runs_hi:  # the run holding depth d (path runs are in depth order)
+                    los = los or [r.lo for r in path]
+                    run = path[bisect.bisect_right(los, d) - 1]
+                    runs_hi = run.hi
+                if d not in run.checkpoints:
+                    wanted.append((run, d))
             got = self._allocate(self.checkpoint_pages, len(wanted))
             for run, d in wanted[:got]:
-                run.checkpoints[d] = _Checkpoint(run, d, run.last_access)
+                run.checkpoints[d] = ck = _Checkpoint(run, d, run.last_access)
+                requeue.append(ck)
                 added.append(d * block)
             self.n_checkpoints += got
             self.checkpoints_admitted += got
@@ -411,25 +245,31 @@ class RunPrefixCache:
             if usable_ck is not None:
                 usable_ck.last_access = usable_ck.run.last_access
                 usable_ck.serial = -1
+                requeue.insert(0, usable_ck)  # shallower than every new one: the list stays in tree order
         outcome = Outcome(n, kv_hit, usable, len(added), tuple(added), matched)
-        self._finish(path)
+        self._finish(path, requeue)
         return outcome
 
-    def _finish(self, path: list) -> None:
+    def _finish(self, path: list, requeue: list) -> None:
+        """Unpin the path; queue its unqueued checkpoints (new, reused, or dropped from the heap while
+        pinned) root-side first, by depth within a run -- the block tree's order."""
         for run in path:
             run.refcount -= 1
             if run.refcount == 0 and not run.children:
                 self._push_leaf(run)
         if self.policy.free_states:
             return
-        for run in path:
-            cks = run.checkpoints
-            if run.refcount or not cks:
-                continue
-            for depth in sorted(cks) if len(cks) > 1 else cks:
-                ck = cks[depth]
-                if ck.serial == -1:
-                    self._push_checkpoint(ck)
+        back = []
+        if self._unqueued:
+            order = {id(run): i for i, run in enumerate(path)}
+            back = [ck for ck in self._unqueued if ck.run is not None and id(ck.run) in order]
+            self._unqueued.difference_update(back)
+            self._unqueued = {ck for ck in self._unqueued if ck.run is not None}
+        if back:  # checkpoints dropped from the heap may sit anywhere on the path: sort them in
+            requeue = sorted(set(requeue + back), key=lambda ck: (order[id(ck.run)], ck.depth))
+        todo = [ck for ck in requeue if ck.serial == -1 and ck.run is not None and ck.run.refcount == 0]
+        if todo:
+            self._push_checkpoints(todo)
 
     def check_invariants(self) -> None:
         """Pages used == blocks + checkpoint pages; runs are consistent chains."""

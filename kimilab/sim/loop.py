@@ -67,6 +67,7 @@ class _Live:
 
 
 _TIMERS: dict = {}  # (config, deployment) -> StepTimer, shared by every replay (a sweep repeats prompt lengths)
+_PREFILL: dict = {}  # (config, deployment) -> {(n_new, n_cached): prefill seconds}
 
 
 class _CacheMeter:
@@ -77,18 +78,22 @@ class _CacheMeter:
         self.costs: CacheCosts | None = getattr(cache, "costs", None)
         self.page_bytes = cache.pool.page_bytes
         self.kv_sum = self.ck_sum = 0
+        self.hits: list = []  # (prompt tokens, usable hit) per request: timed once, at close()
         res.block_size = cache.block_size
         res.capacity_pages = None if cache.pool.n_pages >= UNBOUNDED_PAGES else cache.pool.n_pages
         res.capacity_tokens = getattr(cache, "capacity_tokens",
                                       None if res.capacity_pages is None else res.capacity_pages * cache.block_size)
         if self.costs is not None:
-            res.policy, res.model = cache.policy.name, self.costs.config.name
+            res.policy = getattr(cache, "policy_name", cache.policy.name)
+            res.model = self.costs.config.name
             res.deployment = self.costs.deployment.name
             res.checkpoint_pages = cache.checkpoint_pages
-            res.kv_bytes_per_token, res.checkpoint_bytes_each = (self.costs.kv_bytes_per_token,
-                                                                  self.costs.checkpoint_bytes)
+            res.kv_bytes_per_token = self.costs.kv_bytes_per_token
+            res.checkpoint_bytes_each = getattr(cache, "checkpoint_bytes", self.costs.checkpoint_bytes)
             key = (self.costs.config, self.costs.deployment)
             self.timer = _TIMERS.get(key) or _TIMERS.setdefault(key, StepTimer(*key))
+            self.prefill = _PREFILL.setdefault(key, {})
+        self.exact_bytes = hasattr(type(cache), "checkpoint_bytes_used")  # a state pool counts bytes, not pages
 
     def arrive(self, index: int, req) -> None:
         n = req.input_length
@@ -104,26 +109,42 @@ class _CacheMeter:
         res.kv_hit_tokens += out.kv_hit
         res.usable_hit_tokens += out.usable_hit
         if self.costs is not None:
-            res.prefill_flops_cold += self.costs.prefill_flops(n)
-            res.prefill_flops += self.costs.prefill_flops(n - out.usable_hit, out.usable_hit)
-            cold = self.timer.prefill(n)
-            res.prefill_seconds_cold += cold
-            res.prefill_seconds += self.timer.prefill(n - out.usable_hit, out.usable_hit) if out.usable_hit else cold
-        kv, ck = self.cache.kv_pages, self.cache.checkpoint_pages_used
+            self.hits.append((n, out.usable_hit))
+        cache = self.cache
+        kv = cache.kv_pages
+        ck = cache.checkpoint_bytes_used if self.exact_bytes else cache.checkpoint_pages_used * self.page_bytes
         self.kv_sum += kv
         self.ck_sum += ck
-        res.kv_bytes_peak = max(res.kv_bytes_peak, kv)
-        res.checkpoint_bytes_peak = max(res.checkpoint_bytes_peak, ck)
+        if kv > res.kv_bytes_peak:
+            res.kv_bytes_peak = kv
+        if ck > res.checkpoint_bytes_peak:
+            res.checkpoint_bytes_peak = ck
         if self.keep:
             res.per_request.append(out)
 
+    def _seconds(self, n_new: int, n_cached: int) -> float:
+        """:meth:`StepTimer.prefill`, memoised per process: every replay of a trace asks the same lengths."""
+        key = (n_new, n_cached)
+        t = self.prefill.get(key)
+        if t is None:
+            t = self.prefill[key] = self.timer.prefill(n_new, n_cached)
+        return t
+
     def close(self) -> None:
         res, pb = self.res, self.page_bytes
+        flops = self.costs.prefill_flops if self.costs is not None else None
+        for n, hit in self.hits:
+            res.prefill_flops_cold += flops(n)
+            res.prefill_flops += flops(n - hit, hit)
+            cold = self._seconds(n, 0)
+            res.prefill_seconds_cold += cold
+            res.prefill_seconds += self._seconds(n - hit, hit) if hit else cold
         res.kv_bytes_peak *= pb
-        res.checkpoint_bytes_peak *= pb
         if res.requests:
             res.kv_bytes_mean = self.kv_sum * pb / res.requests
-            res.checkpoint_bytes_mean = self.ck_sum * pb / res.requests
+            res.checkpoint_bytes_mean = self.ck_sum / res.requests
+        describe = getattr(self.cache, "describe", None) or getattr(getattr(self.cache, "policy", None), "describe", None)
+        res.policy_detail = describe() if describe else ""
         res.checkpoints_admitted = getattr(self.cache, "checkpoints_admitted", 0)
         res.checkpoints_evicted = getattr(self.cache, "checkpoints_evicted", 0)
 

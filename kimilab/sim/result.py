@@ -23,6 +23,7 @@ class SimResult:
     label: str
     # ----- the prefix cache (zero when the run had none) -----
     policy: str = ""  # checkpoint policy of the prefix cache ("" = none)
+    policy_detail: str = ""  # the policy with its options (Marconi: the alpha it tuned)
     model: str = ""
     deployment: str = ""  # the deployment every byte (per device) and second is priced on
     block_size: int = 0

@@ -2,10 +2,16 @@
 
 Each replay of a trace through a prefix cache is independent of the others, so a
 sweep is embarrassingly parallel. :func:`replay_many` runs a dict of
-:class:`Replay` jobs on a process pool (each worker reads the trace once) and
+:class:`Replay` jobs on a process pool (each worker reads a trace once) and
 returns their :class:`~kimilab.sim.result.SimResult`\\ s under the same keys. The
 numbers do not depend on which process ran a job or in what order; only
 ``wall_seconds`` does. ``workers=1`` runs everything here, in order.
+
+A job names its cache by policy (:data:`CACHES` lists them): the checkpoint policies of
+:mod:`kimilab.prefix.policies` run in :class:`~kimilab.prefix.RunPrefixCache`; the designs
+that ship run as their engines store them -- ``vllm-align`` at vLLM's own block for the
+deployment, Marconi, SGLang's two strategies on its split pools -- and ``oracle`` reads the
+trace's future.
 """
 
 from __future__ import annotations
@@ -16,24 +22,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimilab.config import preset
-from kimilab.costs import Deployment, kv_bytes_per_token
-from kimilab.prefix import RunPrefixCache, make_policy
+from kimilab.costs import Deployment, kv_bytes_per_token, vllm_hybrid_pages
+from kimilab.pool import RequestAllocator
+from kimilab.prefix import POLICIES, RunPrefixCache, make_policy
+from kimilab.prefix.blocks import split_prompt
+from kimilab.prefix.marconi import marconi_cache
+from kimilab.prefix.oracle import oracle_cache
+from kimilab.prefix.policies import ChunkEnds
+from kimilab.prefix.segments import LRUScorer, SegmentCache
 from kimilab.sim.loop import simulate
+from kimilab.sim.rekey import rekey
 from kimilab.sim.result import SimResult
-from kimilab.traffic import coarser_blocks, load_trace
-from kimilab.validate import check_float, check_int
+from kimilab.traffic import agent_requests, load_sessions, load_trace
+from kimilab.validate import check_choice, check_float, check_int
 
-__all__ = ["Replay", "replay", "replay_many"]
+__all__ = ["SGLANG_RATIO", "CACHES", "Replay", "replay", "replay_many", "vllm_align_interval", "simulate_many"]
+
+SGLANG_RATIO = 0.9  # SGLang's --mamba-full-memory-ratio default: states get r / (1 + r) of the memory
+CACHES = tuple(POLICIES) + ("vllm-align", "marconi", "oracle", "sglang-no-buffer", "sglang-extra-buffer")
+
+
+def vllm_align_interval(deployment: Deployment, block: int) -> int:
+    """Tokens between vLLM ``align``'s states in a long prefill: ``max_num_batched_tokens`` rounded
+    down to whole blocks (the scheduler splits chunks on the block grid)."""
+    return max(block, deployment.max_batched_tokens // block * block)
 
 
 @dataclass(frozen=True)
 class Replay:
-    """One replay: a Mooncake-format trace, a policy, and a memory size in GB per device of
-    ``deployment`` (what the cache may hold on each device; its pages are per-device KV blocks).
+    """One replay: a trace, a cache (``policy``, one of :data:`CACHES`), and a memory size in GB per
+    device of ``deployment`` (what the cache may hold on each device).
 
-    ``block_size`` is the cache's block; when it is larger than the trace's own
-    (``trace_block``, Mooncake's 512), the trace is re-keyed with
-    :func:`~kimilab.traffic.coarser_blocks` (a serving engine with larger blocks).
+    ``trace`` is a Mooncake-format jsonl, or the converted Claude Code sessions
+    (``*.jsonl.gz``) put on one timeline by :func:`~kimilab.traffic.agent_requests` with
+    Poisson session starts at ``sessions_per_s`` (``seed``). ``block_size`` is the cache's
+    block; when it differs from the trace's own (``trace_block``, 512) the trace is re-keyed
+    (:func:`~kimilab.sim.rekey.rekey`). ``vllm-align`` always uses vLLM's block for the
+    deployment. ``precision`` is the checkpoints' (:mod:`kimilab.prefix.precision`).
     """
 
     trace: str
@@ -44,33 +69,72 @@ class Replay:
     block_size: int = 512
     trace_block: int = 512
     model: str = "kimi_linear_48b"
+    precision: str = "native"
+    sessions_per_s: float = 0.05
+    seed: int = 0
 
     def capacity_tokens(self) -> int:
         return int(self.gb * 1e9 // kv_bytes_per_token(preset(self.model), self.deployment))
 
+    def cache_block(self) -> int:
+        if self.policy == "vllm-align":
+            return vllm_hybrid_pages(preset(self.model), self.deployment).block_tokens
+        return self.block_size
 
-_TRACES: dict = {}  # (path, trace block, cache block) -> records, per process
+
+_TRACES: dict = {}  # (path, rate, seed, trace block, cache block) -> records, per process
 
 
 def _records(job: Replay) -> list:
-    key = (str(Path(job.trace).resolve()), job.trace_block, job.block_size)
+    block = job.cache_block()
+    agent = str(job.trace).endswith(".jsonl.gz")
+    key = (str(Path(job.trace).resolve()), job.sessions_per_s if agent else None, job.seed if agent else None,
+           job.trace_block, block)
     records = _TRACES.get(key)
     if records is None:
-        records = load_trace(job.trace, job.trace_block)
-        if job.block_size != job.trace_block:
-            records = coarser_blocks(records, job.trace_block, job.block_size)
+        if agent:
+            records = agent_requests(load_sessions(job.trace), job.sessions_per_s, seed=job.seed)
+        else:
+            records = load_trace(job.trace, job.trace_block)
+        if block != job.trace_block:
+            records = rekey(records, job.trace_block, block)
         records = _TRACES[key] = records
     return records
 
 
+def _cache(job: Replay, records: list):
+    cfg, dep, options = preset(job.model), job.deployment, dict(job.options)
+    common = dict(deployment=dep, block_size=job.cache_block(), capacity_tokens=job.capacity_tokens())
+    name = job.policy
+    if name in POLICIES:
+        return RunPrefixCache(cfg, make_policy(name, **options), precision=job.precision, **common)
+    if name == "vllm-align":
+        policy = ChunkEnds(vllm_align_interval(dep, common["block_size"]), kv_boundary=options.get("kv_boundary", True))
+        cache = RunPrefixCache(cfg, policy, precision=job.precision, **common)
+        cache.policy_name = name
+        return cache
+    if name == "marconi":
+        return marconi_cache(cfg, precision=job.precision, **common, **options)
+    if name == "oracle":
+        order = sorted(range(len(records)), key=lambda i: (records[i].arrival_ms, i))
+        prompts = [split_prompt(records[i].hash_ids, records[i].input_length, None, common["block_size"], False)[0]
+                   for i in order]
+        return oracle_cache(cfg, prompts, precision=job.precision, **common)
+    # SGLang: its scheduler strategies on a KV pool and a state pool split at r : 1
+    ratio = options.pop("ratio", SGLANG_RATIO)
+    policy = ChunkEnds(options.pop("interval", dep.max_batched_tokens), kv_boundary=name == "sglang-extra-buffer")
+    cache = SegmentCache(cfg, policy, LRUScorer(), state_share=ratio / (1 + ratio), precision=job.precision, **common)
+    cache.policy_name = name
+    return cache
+
+
 def replay(job: Replay) -> SimResult:
-    """Run one :class:`Replay` through :class:`~kimilab.prefix.RunPrefixCache` (here, in this process)."""
+    """Run one :class:`Replay` (here, in this process)."""
     check_float("gb", job.gb, minimum=0.0)
     check_int("block_size", job.block_size, 1)
-    cache = RunPrefixCache(preset(job.model), make_policy(job.policy, **dict(job.options)),
-                           deployment=job.deployment, block_size=job.block_size,
-                           capacity_tokens=job.capacity_tokens())
-    return simulate(_records(job), cache=cache, label=job.policy)
+    check_choice("policy", job.policy, CACHES)
+    records = _records(job)
+    return simulate(records, cache=_cache(job, records), label=job.policy)
 
 
 def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
@@ -84,6 +148,33 @@ def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
     keys = list(jobs)
     if workers == 1 or len(keys) < 2:
         return {key: replay(jobs[key]) for key in keys}
+    # the slowest first, so the last job to start is a short one
+    order = sorted(keys, key=lambda k: -_weight(jobs[k]))
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(replay, [jobs[key] for key in keys], chunksize=1)
-        return dict(zip(keys, results))
+        results = dict(zip(order, pool.map(replay, [jobs[key] for key in order], chunksize=1)))
+    return {key: results[key] for key in keys}
+
+
+def _serve(job) -> SimResult:
+    requests, layout, shapes, budget, prefill = job
+    return simulate(requests, memory=RequestAllocator(layout, shapes, int(budget)), prefill_tokens_per_step=prefill,
+                    label=layout.key)
+
+
+def simulate_many(jobs: dict, *, workers: int | None = None) -> dict:
+    """Many independent memory-budget runs (chapter 4's layouts) spread over processes, as :func:`replay_many`:
+    ``{key: (requests, layout, shapes, budget_bytes, prefill_tokens_per_step)}`` -> ``{key: SimResult}``."""
+    for key, job in jobs.items():
+        if not (isinstance(job, tuple) and len(job) == 5):
+            raise ValueError(f"jobs[{key!r}]: expected (requests, layout, shapes, budget_bytes, prefill_tokens_per_step)")
+    workers = check_int("workers", min(2, os.cpu_count() or 1) if workers is None else workers, 1)
+    keys = list(jobs)
+    if workers == 1 or len(keys) < 2:
+        return {key: _serve(jobs[key]) for key in keys}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(keys, pool.map(_serve, [jobs[key] for key in keys], chunksize=2)))
+
+
+def _weight(job: Replay) -> float:
+    """A rough cost, for ordering: Marconi's tuning replays its window 21 times."""
+    return (20.0 if job.policy == "marconi" else 1.0) * (1.0 + job.gb / 40.0)
