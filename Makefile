@@ -57,7 +57,7 @@ test: $(STAMP)
 # `make test` runs; about 4 minutes on 2 cores (budget: 10). FUZZ_SEED=N repeats a run.
 FUZZ_TESTS := tests/test_pool.py tests/test_paged.py tests/test_radix.py tests/test_prefix.py \
 	tests/test_runs.py tests/test_sim.py tests/test_engine.py tests/test_engine_tensor.py \
-	tests/test_fleet.py tests/test_spec.py tests/test_cp.py
+	tests/test_fleet.py tests/test_spec.py tests/test_cp.py tests/test_segments.py tests/test_cp_layouts.py
 fuzz: $(STAMP)
 	@seed=$${FUZZ_SEED:-$$($(BIN)/python -c 'import secrets; print(secrets.randbelow(2**32))')}; \
 	echo "make fuzz: hypothesis seed $$seed, $${FUZZ_FACTOR:-10}x the examples"; \
