@@ -1,4 +1,4 @@
-"""Chapter 10's checked exercises: one decode step, a reserved share, and a fleet run."""
+"""Chapter 10's checked exercises: one decode step, a reserved share, a fleet run, goodput per instance."""
 
 from pathlib import Path
 
@@ -22,12 +22,22 @@ def _():
 
 
 @exercise("10.3", "least-loaded's usable hit", rtol=1e-9,
-          hint="run_fleet on the first 1,000 requests of the real trace, 4 instances, 'least-loaded', "
-               "capacity_tokens=2_000_000, rate_scale=1; take usable_hit_rate().")
+          hint="a request-count router on 4 instances over the trace's first 1,000 requests at its own rate; "
+               "each pool is the deployment's whole cache budget (costs.capacity_tokens).")
 def _():
     from kimilab.fleet import run_fleet
     from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
+    dep = costs.DEFAULT_DEPLOYMENT
     reqs = load_trace(DATA / MOONCAKE_CONVERSATION)[:1000]
-    return run_fleet(reqs, kimi_linear_48b, deployment=costs.DEFAULT_DEPLOYMENT, instances=4, router="least-loaded",
-                     capacity_tokens=2_000_000).usable_hit_rate()
+    return run_fleet(reqs, kimi_linear_48b, deployment=dep, instances=4, router="least-loaded",
+                     capacity_tokens=costs.capacity_tokens(kimi_linear_48b, dep)).usable_hit_rate()
+
+
+@exercise("10.6", "goodput per instance", rtol=1e-6,
+          hint="the trace's own rate is its requests over its span in seconds; scale it, then share it out.")
+def _():
+    from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
+
+    trace = load_trace(DATA / MOONCAKE_CONVERSATION)
+    return 12.5 * len(trace) / (trace[-1].arrival_ms / 1e3) / 8

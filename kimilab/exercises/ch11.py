@@ -25,10 +25,9 @@ def _():
     return cost.prefill_tokens
 
 
-@exercise("11.4", "a fixed fleet's cost per million output tokens",
-          hint="8 instances x 8 accelerators x 3,600 s, in hours, times 2 USD, per 4,000,000 output tokens, "
-               "times 1e6 (kimilab.experiment.cost_per_m_output).")
+@exercise("11.4", "a fleet's cost per million output tokens at the SLO",
+          hint="accelerator-hours rented in that hour, times the price, over the million output tokens served in it.")
 def _():
     from kimilab.experiment import cost_per_m_output
 
-    return cost_per_m_output(8 * 8 * 3600.0, 2.0, 4_000_000)
+    return cost_per_m_output(8 * 4 * 3600.0, 2.0, 8 * 2_000_000)
