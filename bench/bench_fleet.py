@@ -7,6 +7,7 @@ deployment, each with its devices' whole cache budget as the pool, routed state-
 (idle), 64x and 128x (overloaded: the queues grow for the whole run). Goal: under 60 s
 wall at every load.
 
+First, one goodput bisection on the whole conversation trace (goal: under 2 minutes).
 Side by side, on the first 5,000 requests at each load: the engine against its slow twin
 (:class:`kimilab.engine.reference.ReferenceEngine`, which sums the queue on every routing
 decision and walks the batch every step), with the check that both give the same result.
@@ -62,7 +63,20 @@ def _same(a, b) -> bool:
     return all(np.array_equal(getattr(a, c), getattr(b, c)) for c in cols) and a.preemptions == b.preemptions
 
 
+def bisection() -> None:
+    """One goodput bisection on the whole conversation trace (8 instances, ends + prefix affinity)."""
+    from kimilab.experiment import conversation_goodput, variant
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    row = conversation_goodput(variant("ends + prefix-affinity"), instances=8, rel_tol=0.05, start=8.0)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"fleet_goodput_bisection: the whole trace on 8 instances, {len(row['tried'])} replays, {wall:.1f} s wall "
+          f"({cpu:.1f} s CPU; {'meets' if wall < 120 else 'misses'} the 120 s goal): {row['max_rate_scale']:.2f}x "
+          f"= {row['goodput']:.2f} requests/s per instance")
+
+
 def main() -> None:
+    bisection()
     reqs = requests()
     for scale in LOADS:
         fast, fw, fc = _run(reqs[:N_SIDE], scale)

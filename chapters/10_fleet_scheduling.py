@@ -288,6 +288,7 @@ axes[1].set_title("Tail TPOT across the knee")
 axes[2].set_title("What routing finds in cache")
 handles, labels = axes[0].get_legend_handles_labels()
 fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, frameon=False)
+fig.subplots_adjust(wspace=0.3)
 plots.save(fig, "ch10-routers-vs-rate")
 plt.show()
 
@@ -304,23 +305,26 @@ for s in SCALES[1:3]:
           f"TTFT p99 {p['ttft_p99_s']:.2f} s vs {q['ttft_p99_s']:.2f} s")
 
 # %% [markdown]
-# Takeaway: at low load every router meets the SLO and the tails barely differ; the
-# routers separate only near the knee. The load-only routers find a third of the hits the
-# cache-aware ones find, and their tails explode first. The Dynamo-style cost router
-# minimises each request's own predicted TTFT, so near the knee it sends requests away
-# from a busy instance that holds their prefix: each such move recomputes a whole prompt
-# elsewhere, its hit rate falls, and its tail explodes before prefix affinity's.
-# State-aware routing keeps prefix affinity's hits and, scored in seconds rather than
-# tokens, puts the long prompts where they save the most; under `align` it no longer
-# scatters a conversation whose state sits below the 30% threshold (it credits the
-# checkpoint the request leaves on the KV already there), though with request-end states
-# at every turn the two find the same hits here. Past the knee, prefix affinity on its
-# own approximate tree (what SGLang's router keeps) finds *more* than on the real caches:
-# it records a prompt when it routes it, while an instance's cache learns it only when
-# the request is admitted. With long queues, a conversation's next turn arrives while
-# the previous one is still waiting, the real caches do not show it yet, and the turn
-# goes elsewhere. The approximate tree never sees an eviction either, but with each
-# device's whole memory as the pool these requests hardly evict anything.
+# Takeaway: at twice the trace's rate every router meets the SLO and the tails barely
+# differ; the routers separate near the knee. The load-only routers find about a third
+# of the hits the cache-aware ones find, and past the knee their tails are the first to
+# explode (least-work, counting tokens, holds out longer than least-loaded). The
+# Dynamo-style cost router minimises each request's own predicted TTFT, so it has the
+# lowest tail below the knee (it balances best), but as load grows it sends more requests
+# away from the busy instance that holds their prefix: each such move recomputes a whole
+# prompt elsewhere, its hit rate falls with load, and past the knee its tail is worse than
+# prefix affinity's. State-aware routing is a near tie with prefix affinity: a slightly
+# lower tail up to the knee, a slightly higher one far past it, the same hits under `ends`
+# and under `align` (a request-end state at every turn leaves little for it to find that
+# KV hits miss). That is the finding: scoring states pays little when the policy keeps a
+# state wherever a conversation will return. Past the knee, prefix affinity on its own
+# approximate tree (what SGLang's router keeps) does best of all: it records a prompt when
+# it routes it, while an instance's cache learns it only when the request is admitted.
+# With long queues a conversation's next turn arrives while the previous one is still
+# waiting, the real caches do not show it yet, and the turn goes elsewhere. The
+# approximate tree never sees an eviction either, but with each device's whole memory as
+# the pool these requests hardly evict anything. Past 8 times the trace's rate TPOT p99
+# sits at one prefill chunk's step time for every router: every step carries a chunk.
 #
 # ## Goodput: the most traffic within the SLO
 #
@@ -358,6 +362,9 @@ print(f"goodput of one instance: {best:.2f}x the trace's rate = {p['requests_per
       f"({p['output_tokens_per_s_per_instance']:,.0f} output tokens/s); at that load TTFT p99 {got['ttft_s']:.1f} s, "
       f"TPOT p99 {1e3 * got['tpot_s']:.0f} ms; busy {p['busy_fraction']:.0%} of the time")
 print(f"cost at the SLO: {p['usd_per_m_output']:.2f} USD per million output tokens at 2 USD per accelerator-hour")
+tenth = priced(one_instance(best / 10), span_s=SPAN / (best / 10), price_per_hour=2.0)
+print(f"at a tenth of that load the same instance is still busy {tenth['busy_fraction']:.0%} of the time, "
+      f"at {tenth['usd_per_m_output']:.2f} USD per million output tokens")
 
 # %% [markdown]
 # The other question a capacity planner asks: how many instances serve a given rate?
@@ -379,8 +386,9 @@ print(f"{len(GOOD) / SPAN * 6:.1f} requests/s need {n_min} instances: {ps['reque
 # Takeaway: one instance of the default deployment serves the printed number of chat
 # requests a second within Mooncake's SLO, and at that load it is busy nearly all the
 # time; a fleet sized to a target rate is the rate over that, rounded up. Busy is not
-# the same as full: the same instance is busy most of the time at a tenth of its
-# goodput, because a small decode batch steps as often as a large one.
+# the same as full: at a tenth of its goodput the same instance is still stepping about a
+# third of the time, not a tenth (printed above), because a small decode batch steps as
+# often as a large one; and every token costs ten times as much.
 #
 # ## Real agent traffic: concurrent sessions within a TTFT target
 #
@@ -547,10 +555,10 @@ plt.show()
 # - Capacity is goodput: the most load within an SLO (Mooncake's for chat, the replay
 #   tool's for agents), found by bisection; a busy fraction says nothing about it.
 # - Routers differ only near the knee. Load-only routers lose the cache; a router that
-#   minimises each request's own TTFT trades the cache for balance and explodes first;
-#   SGLang's rule keeps the hits; scored in seconds of usable prefill, with credit for
-#   the checkpoint a request leaves behind, it also stops scattering conversations whose
-#   states are sparse.
+#   minimises each request's own TTFT balances best below the knee but trades the cache
+#   away as load grows; SGLang's rule keeps the hits, and scoring usable seconds instead
+#   of KV blocks barely changes it when every turn leaves a state; a router tree that
+#   records what it routes beats reading the caches once queues are long.
 # - Near the knee a failure costs capacity for good, and the lost cache briefly.
 # - Fair admission keeps a tenant that asks for less than its share out of another
 #   tenant's backlog.

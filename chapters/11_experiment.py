@@ -232,8 +232,8 @@ show_source(conversation_goodput)
 
 # %% [markdown]
 # The whole experiment is `make experiment`: every variant, the whole hour of the chat
-# trace on 8 instances, the agents on 4 instances in 20-minute windows with two session
-# orders, each goodput to 5%; it takes the better part of an hour on two cores. This
+# trace on 8 instances, the agents on 4 instances in 15-minute windows with three session
+# orders, each goodput to 5%; it takes about twenty minutes on two cores. This
 # chapter runs the same code smaller, so that it fits in a notebook: **one instance**,
 # the chat trace's first 1,200 requests (still several minutes long at the knee, against
 # the 30 s TTFT limit), 10-minute agent windows with one session order, goodput to 10%.
