@@ -51,7 +51,7 @@ import numpy as np
 
 from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b
-from kimilab.engine import Engine, InstanceMemory, Live
+from kimilab.engine import Engine, InstanceMemory
 from kimilab.engine.clock import DecodeClock
 from kimilab.engine.reference import ReferenceEngine
 from kimilab.exercises import verify
