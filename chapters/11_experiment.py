@@ -297,11 +297,13 @@ for w, t in (("chat", conv), ("agents", agent)):
 #   prompt on one device instead of four, and its steps with a chunk are four times longer
 #   for the decodes beside them: on one instance it misses the TPOT target at any load.
 # - **Agents on one instance tie.** One instance serves about fifteen sessions within the
-#   2 s target whatever it runs: the tail is set by head-of-line blocking, every request
-#   queued behind a session's first turn (a cold prompt of tens of thousands of tokens,
-#   hundreds of thousands for some), which no cache or model choice here removes. Fifteen
-#   sessions hold about two million tokens of context, which even the transformer's pool
-#   holds.
+#   2 s target whatever it runs (chapter 10's longer replay found more: one replay of a few
+#   hundred requests pins this number down only to within several sessions, which is why
+#   `make experiment` pools three session orders). The tail is set by head-of-line
+#   blocking, every request queued behind a session's first turn (a cold prompt of tens of
+#   thousands of tokens, hundreds of thousands for some), which no cache or model choice
+#   here removes. Fifteen sessions hold about two million tokens of context, which even
+#   the transformer's pool holds.
 #
 # ### Where the transformer runs out of memory
 #
