@@ -79,8 +79,11 @@ METHODS: dict[str, tuple[str, str]] = {
     # chapter 10: routers and isolation
     "round-robin": ("round-robin", "#999999"),
     "least-loaded": ("least-loaded", "#0072B2"),
+    "least-work": ("least-work (prompt tokens)", "#56B4E9"),
     "prefix-affinity": ("prefix affinity (KV hit, SGLang-style)", "#E69F00"),
-    "state-aware": ("state-aware affinity (usable hit)", "#009E73"),
+    "cost": ("cost (predicted TTFT, Dynamo-style)", "#CC79A7"),
+    "state-aware": ("state-aware (usable seconds saved)", "#009E73"),
+    "approximate": ("prefix affinity, router's own tree", "#8C564B"),
     "isolation-none": ("no isolation (FIFO, shared cache)", "#D55E00"),
     "isolation-quota": ("quotas + fair admission (VTC)", "#009E73"),
     # chapter 9: context parallelism
@@ -103,6 +106,9 @@ METHODS: dict[str, tuple[str, str]] = {
     "ttft-p99": ("TTFT p99", "#D55E00"),
     "cost-fleet": ("fixed fleet, whole run (rent)", "#555555"),
     "cost-busy": ("busy accelerator time only", "#E69F00"),
+    "none": ("no prefix reuse", "#999999"),
+    "all-mla-fp8": ("all-MLA, fp8 KV", "#D55E00"),
+    "tpot-p99": ("TPOT p99", "#0072B2"),
 }
 
 _FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]

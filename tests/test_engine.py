@@ -63,7 +63,7 @@ def _fleet_ok(fleet: Fleet) -> None:
 
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n_inst=st.integers(1, 3), router=st.sampled_from(
-    ["round-robin", "least-loaded", "prefix-affinity", "state-aware"]), quota=st.booleans(),
+    ["round-robin", "least-loaded", "least-work", "prefix-affinity", "cost", "state-aware"]), quota=st.booleans(),
     fail=st.booleans(), capacity_blocks=st.integers(45, 120))
 def test_conservation_and_no_leak(seed, n_inst, router, quota, fail, capacity_blocks):
     reqs = _trace(seed, 40, tenants=("a", "b") if quota else ("a",))
@@ -208,3 +208,89 @@ def test_a_model_without_kda_layers_runs_and_reuses_every_cached_token(model):
     assert all(f.usable_hit == f.kv_hit for f in e.finished) and sum(f.usable_hit for f in e.finished) > 0
     with pytest.raises(ValueError, match="policy='dual'.*no KDA"):
         Engine(cfg, deployment=ONE_H200, capacity_tokens=40 * B, policy="dual")
+
+
+# ----- the fast engine against its slow twin (kimilab.engine.reference) -----------------------------
+
+from kimilab.engine.reference import ReferenceEngine  # noqa: E402
+
+_COLUMNS = ("request_ids", "instance", "arrival_s", "ttft_s", "tpot_s", "e2e_s", "usable_hit", "kv_hit", "served",
+            "computed", "busy_s")
+
+
+class _Probe:
+    """A guard that checks, at every arrival, that each engine's counters equal what the slow twin sums."""
+
+    def check(self, fleet) -> bool:
+        for e in fleet.instances:
+            if not e.alive:
+                continue
+            assert e.cache_pages == ReferenceEngine.cache_pages.fget(e)
+            assert e.prefill_backlog == ReferenceEngine.prefill_backlog.fget(e)
+            decoders = [l for l in e.running if l.done >= l.ctx]
+            assert e._n_dec == len(decoders) and all(l.decoding_now for l in decoders)
+            assert e._ctx_base + e._n_dec * e._G == sum(l.req.input_length + l.gen0 + e._G - l.g0 for l in decoders)
+        return False
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n_inst=st.integers(1, 3), router=st.sampled_from(
+    ["least-loaded", "least-work", "prefix-affinity", "cost", "state-aware"]), quota=st.booleans(),
+    fail=st.booleans(), capacity_blocks=st.integers(45, 160), budget=st.sampled_from([512, 2048, 8192]),
+    max_batch=st.sampled_from([3, 256]), policy=st.sampled_from(["dual", "ends", "every-block", "kv-only"]))
+def test_fast_engine_equals_its_slow_twin(seed, n_inst, router, quota, fail, capacity_blocks, budget, max_batch,
+                                          policy):
+    """Decode clock, heaps and counters change no decision: every latency, hit, preemption and busy
+    second equals the plain loop's (and the counters equal the sums, at every arrival)."""
+    reqs = _trace(seed, 50, tenants=("a", "b") if quota else ("a",), gap_ms=15, max_out=1200)
+    fails = [(0, 0.05)] if fail and n_inst > 1 else []
+    out = []
+    for cls in (Engine, ReferenceEngine):
+        fleet = Fleet(kimi_linear_48b, n_inst, router, deployment=ONE_H200, capacity_tokens=capacity_blocks * B,
+                      isolation="quota" if quota else "none", tenants=["a", "b"], token_budget=budget,
+                      max_batch=max_batch, policy=policy, engine_class=cls)
+        out.append((fleet, fleet.run(reqs, fails=fails, guard=_Probe() if cls is Engine else None)))
+    (fa, a), (fb, b) = out
+    for name in _COLUMNS:
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert (a.preemptions, a.restarts, a.refused) == (b.preemptions, b.restarts, b.refused)
+    assert [e.n_steps for e in fa.instances] == [e.n_steps for e in fb.instances]
+    _fleet_ok(fa)
+
+
+def test_the_fast_engine_is_fast_under_overload():
+    """Per-event work does not grow with the queue: a 10x longer queue costs about 10x, not 100x."""
+    import time
+
+    def wall(n):
+        reqs = [Request(i, i, 4 * B, 50, hash_ids=tuple(range(10 * i, 10 * i + 4))) for i in range(n)]
+        t = time.process_time()
+        run_fleet(reqs, kimi_linear_48b, deployment=ONE_H200, instances=2, router="prefix-affinity",
+                  capacity_tokens=None, max_batch=8)
+        return time.process_time() - t
+
+    small, big = wall(300), wall(3000)
+    assert big < 25 * small, (small, big)  # quadratic would be ~100x
+
+
+def test_a_dp_attention_device_is_an_engine_of_its_own():
+    """Under DP-attention each device is an engine (its own pool, its share of the instance's), timed as
+    the instance's step when every device carries a batch like its own."""
+    from kimilab.config import all_mla_27
+    from kimilab.costs import DP4_EP4_H200, step_seconds
+    from kimilab.engine.dp import DpDeviceTimer
+
+    timer = DpDeviceTimer(all_mla_27, DP4_EP4_H200)
+    for n_dec, ctx, chunks in ((0, 0, [(8192, 0)]), (7, 70_000, []), (5, 9_000, [(1000, 500), (300, 0)])):
+        assert timer.step(n_dec, ctx, chunks) == pytest.approx(
+            step_seconds(all_mla_27, DP4_EP4_H200, decode=(4 * n_dec, 4 * ctx), chunks=chunks * 4), rel=1e-12)
+    with pytest.raises(ValueError, match="dp_device"):
+        Engine(all_mla_27, deployment=DP4_EP4_H200, capacity_tokens=None)
+    with pytest.raises(ValueError, match="dp_device"):
+        Engine(all_mla_27, deployment=ONE_H200, capacity_tokens=None, dp_device=True)
+    fleet = Fleet(all_mla_27, 2, "least-work", deployment=DP4_EP4_H200, capacity_tokens=400 * B)
+    assert len(fleet.instances) == 8 and fleet.instances[0].memory.pool.n_pages == 100
+    reqs = _trace(2, 40)
+    res = fleet.run(reqs)
+    _check_conservation(res, reqs)
+    assert res.devices == 8 and res.n_deployed == 2

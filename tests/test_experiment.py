@@ -58,13 +58,14 @@ def test_reruns_agree_except_wall_clock():
         second_request(model, "prefix:magic", work)
 
 
-# ----- Part B: the same ablation at 48B sizes through the fleet simulator on the real trace -----
+# ----- Part B: goodput and dollars at the SLO, per variant, on real chat and agent traffic -----
 
-from kimilab.experiment import VARIANT_NAMES, cost_per_m_output, run_part_b  # noqa: E402
-from kimilab.experiment.scale import part_b_table  # noqa: E402
-from kimilab.costs import DEFAULT_DEPLOYMENT  # noqa: E402
+from kimilab.experiment import BASELINE, VARIANT_NAMES, cost_per_m_output, run_part_b  # noqa: E402
+from kimilab.experiment.tables import part_b_table  # noqa: E402
 
-N_B = 300  # the real trace's first requests: a few seconds for every variant
+SMALL = dict(n_requests=300, instances=1, agent_instances=1, agent_duration_s=240.0, seeds=1, rel_tol=0.3,
+             price_per_hour=3.0, start_scale=1.0, workers=1)
+SOME = (BASELINE, "none + prefix-affinity", "ends + least-work", "kv-only + prefix-affinity", "all-MLA fp8 TP4")
 
 
 def _strip_wall(obj):
@@ -79,80 +80,77 @@ def _strip_wall(obj):
 @pytest.fixture(scope="module")
 def part_b(tmp_path_factory):
     out = tmp_path_factory.mktemp("results_b")
-    return out, run_part_b(out, deployment=DEFAULT_DEPLOYMENT, n_requests=N_B, instances=4, price_per_hour=3.0)
+    return out, run_part_b(out, variants=SOME, **SMALL)
 
 
-def test_part_b_every_request_finishes_and_rates_are_rates(part_b):
+def test_part_b_rows_are_goodput_with_ratios_to_the_baseline(part_b):
     _, result = part_b
-    assert [r["variant"] for r in result["rows"]] == list(VARIANT_NAMES)
-    for r in result["rows"]:
-        assert r["requests"] == r["finished"] == N_B and r["refused"] == 0, r["variant"]
-        assert 0.0 <= r["usable_hit_rate"] <= r["kv_hit_rate"] + 1e-9 <= 1.0 + 1e-9
-        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"]
-        assert 0 < r["busy_accelerator_seconds"] <= r["accelerator_seconds"]
-        hit_tokens = r["usable_hit_rate"] * r["prompt_tokens"]
-        assert r["usable_hit_tokens"] == pytest.approx(hit_tokens, abs=r["prompt_tokens"] * 1e-6)
-        if r["preemptions"] == 0:  # without recompute, a prompt's tokens are either a usable hit or computed
-            assert r["prefill_tokens_computed"] == r["prompt_tokens"] - r["usable_hit_tokens"]
-
-
-def test_part_b_prefix_caches_never_lose_hits(part_b):
-    _, result = part_b
-    rows = {r["variant"]: r for r in result["rows"]}
-    base = rows["baseline"]
-    assert base["usable_hit_rate"] == base["kv_hit_rate"] == 0.0
-    assert rows["prefix:no-states"]["usable_hit_rate"] == 0.0 < rows["prefix:no-states"]["kv_hit_rate"]
-    for v in ("prefix:every-block", "prefix:dual", "router:state-aware"):
-        assert rows[v]["usable_hit_rate"] >= base["usable_hit_rate"]
-        assert rows[v]["prefill_tokens_computed"] <= base["prefill_tokens_computed"]
-    assert rows["router:state-aware"]["usable_hit_rate"] >= rows["prefix:dual"]["usable_hit_rate"]
-    assert result["reuse_upper_bound"] >= max(r["usable_hit_rate"] for r in result["rows"])
-
-
-def test_part_b_cost_is_accelerator_seconds_times_price(part_b):
-    _, result = part_b
-    price, c = result["config"]["price_usd_per_accelerator_hour"], result["config"]
-    assert price == 3.0 and c["instances"] == 4 and c["requests"] == N_B
-    for r in result["rows"]:
-        assert r["accelerator_seconds"] == pytest.approx(
-            c["instances"] * c["accelerators_per_instance"] * r["makespan_s"], rel=1e-6)
-        for accel, cost in (("accelerator_seconds", "cost_per_m_output_usd"),
-                            ("busy_accelerator_seconds", "busy_cost_per_m_output_usd")):
-            assert r[cost] == pytest.approx(r[accel] / 3600 * price / r["output_tokens"] * 1e6, rel=1e-5)
+    assert result["baseline"] == BASELINE and len(VARIANT_NAMES) == 16
+    rows = {(r["workload"], r["variant"]): r for r in result["rows"]}
+    assert set(rows) == {(w, v) for w in ("conversation", "agents") for v in SOME}
+    for w in ("conversation", "agents"):
+        base = rows[w, BASELINE]
+        assert base["goodput"] > 0 and base["goodput_ratio"] == 1.0
+        for v in SOME:
+            r = rows[w, v]
+            assert r["goodput_ratio"] == pytest.approx(r["goodput"] / base["goodput"], abs=1e-6)
+            if r.get("usd_per_m_output"):
+                assert r["cost_ratio"] == pytest.approx(r["usd_per_m_output"] / base["usd_per_m_output"], abs=1e-6)
+                assert 0 < r["busy_fraction"] <= 1
+        assert rows[w, "none + prefix-affinity"]["goodput"] <= base["goodput"]
+    # one tensor-parallel instance: a router cannot differ, so its row is a copy of the policy's first
+    assert rows["conversation", "ends + least-work"]["same_as"] == BASELINE or \
+        rows["conversation", BASELINE].get("same_as") == "ends + least-work"
+    c = rows["conversation", BASELINE]
+    assert c["requests_per_s"] == pytest.approx(c["goodput"] * c["instances"], rel=1e-5)
+    assert c["ttft_limit_pct_s"] <= 30.0 and c["tpot_limit_pct_s"] <= 0.2  # it met the SLO at its goodput
     assert cost_per_m_output(3600.0, 2.0, 1_000_000) == pytest.approx(2.0)
 
 
 def test_part_b_files_and_rerun_agree_except_wall_clock(part_b, tmp_path):
     out, result = part_b
     saved = json.loads((out / "part_b.json").read_text())
-    assert saved["kimilab"] and saved["config"]["accelerator"]
+    assert saved["kimilab"] and saved["config"]["accelerator"] and saved["config"]["conversation"]["slo_source"]
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     table = (out / "part_b.md").read_text()
-    assert table.startswith("| variant |") and "Assumptions:" in table and "per accelerator-hour" in table
+    assert table.startswith("| variant |") and "x baseline" in table and "per accelerator-hour" in table
     assert table == part_b_table(result) + "\n"
-    again = run_part_b(tmp_path, deployment=DEFAULT_DEPLOYMENT, n_requests=N_B, instances=4, price_per_hour=3.0)
-    assert _strip_wall(json.loads((tmp_path / "part_b.json").read_text())) == _strip_wall(saved)
-    assert _strip_wall(again) == _strip_wall(result)
+    again = run_part_b(tmp_path, variants=SOME[:2], **SMALL)
+    keep = {(r["workload"], r["variant"]) for r in again["rows"]}
+    first = [r for r in result["rows"] if (r["workload"], r["variant"]) in keep]
+    assert _strip_wall(again["rows"]) == _strip_wall(first)
 
 
 def test_part_b_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="variants"):
-        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, variants=("baseline", "prefix:magic"))
+        run_part_b(variants=(BASELINE, "prefix:magic"), **SMALL)
+    with pytest.raises(ValueError, match="baseline"):
+        run_part_b(variants=("none + prefix-affinity",), **SMALL)
     with pytest.raises(ValueError, match="instances"):
-        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, instances=0)
+        run_part_b(**dict(SMALL, instances=0))
     with pytest.raises(ValueError, match="price_per_hour"):
-        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, price_per_hour=-1.0)
-    with pytest.raises(FileNotFoundError, match="trace"):
-        run_part_b(deployment=DEFAULT_DEPLOYMENT, n_requests=10, trace=tmp_path / "missing.jsonl")
+        run_part_b(**dict(SMALL, price_per_hour=-1.0))
+    with pytest.raises(ValueError, match="deployment"):
+        run_part_b(deployment="tp3-h100", **SMALL)
+    with pytest.raises(ValueError, match="workloads"):
+        run_part_b(workloads=("chat",), **SMALL)
 
 
 def test_experiment_cli_part_b(tmp_path, capsys):
     from kimilab.__main__ import main
 
-    assert main(["experiment", "--part", "b", "--requests", "60", "--instances", "2", "--out", str(tmp_path)]) == 0
+    argv = ["experiment", "--part", "b", "--requests", "120", "--instances", "1", "--agent-instances", "1",
+            "--agent-minutes", "3", "--seeds", "1", "--workers", "1", "--out", str(tmp_path)]
+    from unittest import mock
+
+    import kimilab.experiment.scale as scale
+
+    few = (BASELINE, "all-MLA fp8 TP4")
+    with mock.patch.object(scale, "VARIANT_NAMES", few):
+        main(argv)
     assert (tmp_path / "part_b.json").is_file() and not (tmp_path / "part_a.json").exists()
     assert "| variant |" in capsys.readouterr().out
-    for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"]):
+    for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"], ["--seeds", "0"]):
         with pytest.raises(SystemExit) as exc:
             main(["experiment", *bad, "--out", str(tmp_path)])
         assert exc.value.code == 2

@@ -16,6 +16,12 @@ per device of that deployment. Steps that only decode are fast-forwarded in one 
 until the next page boundary, finish or arrival, so traces of any length run in
 seconds (the run of k steps is timed at its middle context).
 
+Per-event work does not grow with the queue or the batch: the queued prompt blocks a
+router reads are a counter, and decoding requests are kept on a *decode clock* (every
+decoder makes the same tokens a step), with two heaps saying when the next one needs a
+page and when the next one finishes. :class:`kimilab.engine.reference.ReferenceEngine`
+is the plain loop over every running request; a test holds the two equal.
+
 ``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every
 decision of this one loop -- admission, each step's chunks and decodes (a
 fast-forwarded run of k decode steps is handed over as k, and run token by
@@ -30,9 +36,12 @@ import math
 
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment, StepTimer
+from kimilab.engine.clock import DecodeClock
+from kimilab.engine.dp import DpDeviceTimer
 from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
+from kimilab.prefix.policies import Placement
 from kimilab.validate import check_int
 
 __all__ = ["Engine", "prompt_of"]
@@ -45,31 +54,34 @@ def prompt_of(req) -> dict:
     return {"keys": req.hash_ids if req.hash_ids is not None else (), "n_tokens": req.input_length}
 
 
-class Engine:
+class Engine(DecodeClock):
     """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``."""
 
     def __init__(self, config: ModelConfig, *, deployment: Deployment, capacity_tokens: int | None,
                  block_size: int = 512, token_budget: int = 8192, max_batch: int = 256, policy: str | None = None,
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
-                 index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None):
+                 index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
+                 dp_device: bool = False):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
         self.max_batch = check_int("max_batch", max_batch, 1)
         if policy is None:  # a transformer reuses every cached token: its states are free
             policy = "dual" if config.kda_layers else "kv-only"
         self.capacity_tokens, self.policy, self.quotas = capacity_tokens, policy, quotas
-        if deployment.attention == "dp" and deployment.n_devices > 1:
+        dp = deployment.attention == "dp" and deployment.n_devices > 1
+        if dp != bool(dp_device):
             raise ValueError(f"deployment={deployment.name!r}: an Engine models one attention group (tensor "
-                             "parallel); under DP-attention each device is an engine of its own (one device "
-                             "each, the experts' communication still shared)")
+                             "parallel); under DP-attention each device is an engine of its own: pass "
+                             "dp_device=True (and only then; kimilab.engine.dp says what that leaves out)")
         self.deployment = deployment
         self.memory = InstanceMemory(config, deployment=deployment, block_size=block_size,
                                      capacity_tokens=capacity_tokens, policy=policy, quotas=quotas)
-        self.timer = timer or StepTimer(config, deployment)
+        self.timer = timer or (DpDeviceTimer(config, deployment) if dp else StepTimer(config, deployment))
         if self.timer.deployment != deployment or self.timer.cfg != config:
             raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
                              f"expected {config.name} on {deployment.name}")
         self.queue = FairQueue() if fair else FifoQueue()
+        self._fair = fair  # only fair queues count the tokens each tenant was served
         self.index, self.bucket_s = index, bucket_s
         self.running: list[Live] = []
         self.finished: list[Finished] = []
@@ -81,6 +93,10 @@ class Engine:
         self.n_steps = self.preemptions = 0
         self._blocked = False  # the queue head did not fit; retry after memory is freed
         self._seq = 0
+        self._queued_blocks = 0  # prompt blocks of the queued requests (what cache_pages adds)
+        self._backlog = 0  # prompt tokens still to prefill, queued and running (prefill_backlog)
+        self._prefilling: list[Live] = []  # running requests still prefilling, in admission order
+        self._start_clock()
         self.executor = executor  # None: accounting only
         if executor is not None:
             executor.bind(self)
@@ -94,13 +110,26 @@ class Engine:
     @property
     def cache_pages(self) -> int:
         """Pages in use plus the prompt blocks of queued requests (what SGLang's router tree counts
-        as soon as it routes a request, before the instance admits it)."""
-        return self.memory.pool.n_used + sum(l.req.input_length // self.block for l in self.queue)
+        as soon as it routes a request, before the instance admits it): a counter, not a sum."""
+        return self.memory.pool.n_used + self._queued_blocks
+
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to prefill here: queued prompts whole, running ones what is left (a
+        counter; what a token-weighted router balances)."""
+        return self._backlog
 
     def match(self, req) -> tuple[int, int]:
         """(KV hit, usable hit) a request would get here, without touching the cache. A router's
         estimate: it counts checkpoints whose prefill is still under way (computed, as a rule,
         before a request routed now is admitted); admission itself starts only from computed ones."""
+        kv, usable, _ = self.route_view(req)
+        return kv, usable
+
+    def route_view(self, req) -> tuple[int, int, int]:
+        """(KV hit, usable hit, left behind) for a request routed here now. *Left behind* is the
+        deepest position in (usable, KV hit] where the cache's policy would admit a checkpoint for
+        it: KV already here that its prefill makes usable for the next request (0: none)."""
         cache = self.memory.cache(req.tenant)
         if req.tokens is None:  # hash ids: the tree's direct walk (every instance is asked, per request)
             nodes = cache.tree.match_keys(req.hash_ids if req.hash_ids is not None else (), req.input_length)
@@ -111,11 +140,21 @@ class Engine:
         limit = req.input_length - 1
         kv = min(hit, limit)
         if cache.policy.free_states:
-            return kv, kv
+            return kv, kv, 0
+        usable = 0
         for node in reversed(nodes):
             if node.payload is not None and node.end <= limit:
-                return kv, node.end
-        return kv, 0
+                usable = node.end
+                break
+        if hit <= usable:
+            return kv, usable, 0
+        bs, n_full = self.block, req.input_length // self.block
+        m = len(nodes)
+        branch = 0 < m < n_full and len(nodes[-1].children) >= 1  # its next block would be a second child
+        ends = [bs * (j + 1) for j in range(n_full)]
+        left = [ends[i] for i in cache.policy.positions(Placement(ends, m, usable, req.input_length, branch))
+                if usable < ends[i] <= hit]  # KV cached here (whole blocks, even the prompt's last)
+        return kv, usable, max(left, default=0)
 
     # ----- requests -----------------------------------------------------------
     def fits_alone(self, req) -> bool:
@@ -134,6 +173,8 @@ class Engine:
             return
         live.instance = self.index
         self.queue.push(live)
+        self._queued_blocks += live.req.input_length // self.block
+        self._backlog += live.req.input_length + live.generated
 
     def _free_own(self, live: Live) -> None:
         pool = self.memory.pool
@@ -165,6 +206,7 @@ class Engine:
         live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
         live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)  # its prefill starts here
         live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit
+        self._backlog -= out.usable_hit  # its prefill starts at the hit
         live.served += out.usable_hit
         live.computed += live.ctx - out.usable_hit
         live.contexts += live.ctx
@@ -179,6 +221,8 @@ class Engine:
 
     def _preempt_newest(self) -> Live:
         victim = self.running.pop()
+        self._leave(victim)
+        self._backlog += victim.req.input_length + victim.generated - (victim.ctx - victim.done)
         if self.executor is not None:
             self.executor.drop(victim)
         self._free_own(victim)
@@ -186,6 +230,7 @@ class Engine:
         self.preemptions += 1
         victim.done = 0
         self.queue.push_front(victim)
+        self._queued_blocks += victim.req.input_length // self.block
         return victim
 
     def _grow(self, live: Live) -> bool:
@@ -201,6 +246,7 @@ class Engine:
 
     def _finish(self, live: Live) -> None:
         self.running.remove(live)
+        self._leave(live)
         if self.executor is not None:
             self.executor.finish(live)
         self._free_own(live)
@@ -220,88 +266,115 @@ class Engine:
             start += part
             dt -= part
 
+    def _admit_from_queue(self) -> None:
+        """Admit queued requests while the batch, the token budget and the pool allow."""
+        running, queue, prefilling = self.running, self.queue, self._prefilling
+        pending = sum(l.ctx - l.done for l in prefilling)
+        while len(queue) and len(running) < self.max_batch and pending < self.budget:
+            live = queue.peek()
+            if not self._admit(live):
+                self._blocked = True
+                break
+            assert queue.pop() is live
+            self._queued_blocks -= live.req.input_length // self.block
+            queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)  # after the pop: it reorders
+            running.append(live)
+            prefilling.append(live)
+            pending += live.ctx - live.done
+
     def _step(self, until: float) -> bool:
         """Run one step (or a run of identical decode steps); False if there was nothing to run."""
         running, queue = self.running, self.queue
         if not self._blocked:
-            pending = sum(l.ctx - l.done for l in running if l.done < l.ctx)
-            while len(queue) and len(running) < self.max_batch and pending < self.budget:
-                live = queue.peek()
-                if not self._admit(live):
-                    self._blocked = True
-                    break
-                assert queue.pop() is live
-                queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)  # after the pop: it reorders
-                running.append(live)
-                pending += live.ctx - live.done
+            self._admit_from_queue()
         if not running:
             if not len(queue):
                 return False
             for cache in self.memory.all_caches():  # idle, and the head still does not fit: its own
                 cache.evict_all()  # path's checkpoints pin memory; start it from an empty cache
             live = queue.pop()
+            self._queued_blocks -= live.req.input_length // self.block
             if self._admit(live):
                 queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)
                 running.append(live)
+                self._prefilling.append(live)
             else:
                 self.refused.append(live)
+                self._backlog -= live.req.input_length + live.generated
             self._blocked = False
             return True
-        for live in list(running):
-            if live.done >= live.ctx and live in running:
-                self._grow(live)
-        decoders = [l for l in running if l.done >= l.ctx]
-        budget = self.budget - len(decoders)
+        G = self._G
+        for live in self._due(self._grow_heap, G):  # decoders whose next token needs a page
+            if live.decoding_now:  # not preempted by an older one's growth in this loop
+                self._sync(live)
+                if self._grow(live):
+                    self._push_grow(live)
+        n_dec = self._n_dec
+        budget = self.budget - n_dec
         chunks = []
-        for l in running:
-            if l.done < l.ctx and budget > 0:
-                c = min(l.ctx - l.done, budget)
-                chunks.append((l, c))
-                budget -= c
-        n_dec = len(decoders)
-        ctx = sum(l.req.input_length + l.generated for l in decoders)
+        for l in self._prefilling:
+            if budget <= 0:
+                break
+            c = min(l.ctx - l.done, budget)
+            chunks.append((l, c))
+            budget -= c
+        ctx = self._ctx_base + n_dec * G
         pieces = [(c, l.done) for l, c in chunks]
         dt = self.timer.step(n_dec, ctx, pieces)  # one forward pass: decodes and chunks together
         k = 1
         if not chunks and (self._blocked or not len(queue)):  # nothing changes until an event: jump
-            k = min(min(l.req.output_length - l.generated,
-                        l.base + l.own_tokens - l.req.input_length - l.generated) for l in decoders)
+            k = min(self._top(self._done_heap), self._top(self._grow_heap) + 1) - G
             if until != math.inf:
                 k = min(k, max(1, math.ceil((until - self.clock) / dt)))
             k = max(k, 1)
             if k > 1:  # contexts grow by one a step: time the run at its middle context
                 dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
         if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
-            self.executor.run(decoders, chunks, k)
+            self.executor.run([l for l in running if l.decoding_now], chunks, k)
         start = self.clock
         self.clock += k * dt
         self._record_busy(start, k * dt)
         self.n_steps += k
         if self.steps is not None:
             self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
-        for l in decoders:
-            l.generated += k
+        self._G = G = G + k
+        if self._fair:  # each decoder was served k tokens
+            for tenant, n in self._dec_tenants.items():
+                if n:
+                    queue.charge(tenant, output_tokens=k * n)
+        done = self._due(self._done_heap, G + 1)  # decoders that made their last token
         for l, c in chunks:
             l.done += c
+            self._backlog -= c
             l.marked = l.cache.mark_computed(l.path, l.done, l.marked)  # others may start from here now
-            if l.done >= l.ctx and l.generated < l.req.output_length:  # the prefill's last logits: one token
-                l.generated += 1
-                if l.first_token_s is None:
-                    l.first_token_s = self.clock
-        for l in decoders:
-            self.queue.charge(l.req.tenant, output_tokens=k)
-        for l in [l for l in running if l.done >= l.ctx and l.generated >= l.req.output_length]:
+            if l.done >= l.ctx:
+                if l.generated < l.req.output_length:  # the prefill's last logits: one token
+                    l.generated += 1
+                    if l.first_token_s is None:
+                        l.first_token_s = self.clock
+                if l.generated >= l.req.output_length:
+                    done.append(l)
+                else:
+                    self._anchor(l)
+        if chunks:
+            self._prefilling = [l for l in self._prefilling if l.done < l.ctx]
+        done.sort(key=lambda l: l.seq)
+        for l in done:
             if l.first_token_s is None:  # asked for no tokens: done when its prefill is
                 l.first_token_s = self.clock
             self._finish(l)
         return True
 
-    def advance(self, until: float) -> None:
-        """Run steps that start before ``until`` (the last may end after it); idle time is skipped."""
+    def advance(self, until: float, *, stop_on_finish: bool = False) -> None:
+        """Run steps that start before ``until`` (the last may end after it); idle time is skipped.
+        ``stop_on_finish``: return after the first step in which a request finished."""
+        done = len(self.finished)
         while self.alive and self.clock < until:
             if not self._step(until):
                 if until != math.inf:
                     self.clock = until
+                return
+            if stop_on_finish and len(self.finished) > done:
                 return
 
     def drain(self) -> None:
@@ -310,8 +383,11 @@ class Engine:
 
     def fail(self) -> list[Live]:
         """The instance dies: its pool, cache and running requests are lost; returns them to re-route."""
+        for live in self.running:
+            self._leave(live)
         lost = self.running + self.queue.clear()
         self.running = []
+        self._queued_blocks = self._backlog = 0
         for live in lost:
             if self.executor is not None:
                 self.executor.drop(live)

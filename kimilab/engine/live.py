@@ -36,6 +36,11 @@ class Live:
     preemptions: int = 0
     restarts: int = 0  # instance failures it survived
     instance: int = -1
+    # on the engine's decode clock G while decoding: generated = gen0 + G - g0 (kimilab.engine.engine)
+    decoding_now: bool = False
+    g0: int = 0
+    gen0: int = 0
+    epoch: int = 0  # bumped when it starts or stops decoding: older heap entries are stale
 
     @property
     def decoding(self) -> bool:

@@ -1,4 +1,4 @@
-"""Chapter 10's checked exercises: one decode step, a reserved share, and a fleet run."""
+"""Chapter 10's checked exercises: one decode step, a reserved share, a fleet run, goodput per instance."""
 
 from pathlib import Path
 
@@ -27,12 +27,23 @@ def _():
 
 @exercise("10.3", "least-loaded's usable hit", rtol=1e-9,
           hint=("A load-only router ignores where a conversation's prefix is cached.",
-                "Run the fleet on the first 1,000 requests of the real trace with the chapter's settings and "
-                 "the load-only router; read the usable hit rate."))
+                "Run 4 instances, each pool the deployment's whole cache budget, over the first 1,000 requests of "
+                "the real trace at its own rate with the request-count router; read the usable hit rate."))
 def _():
     from kimilab.fleet import run_fleet
     from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
+    dep = costs.DEFAULT_DEPLOYMENT
     reqs = load_trace(DATA / MOONCAKE_CONVERSATION)[:1000]
-    return run_fleet(reqs, kimi_linear_48b, deployment=costs.DEFAULT_DEPLOYMENT, instances=4, router="least-loaded",
-                     capacity_tokens=2_000_000).usable_hit_rate()
+    return run_fleet(reqs, kimi_linear_48b, deployment=dep, instances=4, router="least-loaded",
+                     capacity_tokens=costs.capacity_tokens(kimi_linear_48b, dep)).usable_hit_rate()
+
+
+@exercise("10.6", "goodput per instance", rtol=1e-6,
+          hint=("Goodput is a rate of requests served within the SLO, shared by the instances that serve it.",
+                "The trace's own rate is its requests over its span in seconds; scale it, then share it out."))
+def _():
+    from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
+
+    trace = load_trace(DATA / MOONCAKE_CONVERSATION)
+    return 12.5 * len(trace) / (trace[-1].arrival_ms / 1e3) / 8

@@ -29,10 +29,10 @@ def _():
     return cost.prefill_tokens
 
 
-@exercise("11.4", "a fixed fleet's cost per million output tokens",
+@exercise("11.4", "a fleet's cost per million output tokens at the SLO",
           hint=("Rent is paid per accelerator-hour, whether busy or idle.",
-                "Total accelerator-hours times the price, divided by the output tokens in millions."))
+                "The accelerator-hours rented in that hour times the price, over the million output tokens served."))
 def _():
     from kimilab.experiment import cost_per_m_output
 
-    return cost_per_m_output(8 * 8 * 3600.0, 2.0, 4_000_000)
+    return cost_per_m_output(8 * 4 * 3600.0, 2.0, 8 * 2_000_000)

@@ -5,9 +5,9 @@
 ``results/part_a.json`` -- the configuration, the package version, and one row per
 (workload, component) -- and ``results/part_a.md``, the table a reader remembers:
 what each component saves on the second request and what it costs. Then Part B
-(:mod:`kimilab.experiment.scale`): the same ablation at 48B sizes through the fleet
-simulator on the real trace, ``results/part_b.json`` and ``results/part_b.md``
-(``--part a|b|all``). Everything in the files is deterministic except the wall-clock
+(:mod:`kimilab.experiment.scale`): every variant's goodput and dollars at an SLO on the
+whole real conversation trace and the real agent sessions, ``results/part_b.json`` and
+``results/part_b.md`` (``--part a|b|all``). Everything in the files is deterministic except the wall-clock
 seconds, which say so in their names.
 """
 
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     """Run the parts ``args`` asks for; 0 if every check in them held."""
-    from kimilab.experiment.scale import part_b_table, run_part_b
+    from kimilab.experiment.scale import run_part_b
+    from kimilab.experiment.tables import part_b_table
 
     ok = True
     if args.part in ("a", "all"):
@@ -104,13 +105,15 @@ def run(args) -> int:
     if args.part in ("b", "all"):
         from kimilab.costs import deployment
 
-        dep = deployment(args.deployment)
-        print(f"deployment: {dep.describe()}")
-        result = run_part_b(args.out, deployment=dep, n_requests=args.requests, instances=args.instances,
-                            capacity_tokens=args.capacity_tokens, price_per_hour=args.price)
+        print(f"deployment: {deployment(args.deployment).describe()} (the hybrid's; all-MLA also under "
+              f"DP-attention)")
+        result = run_part_b(args.out, deployment=args.deployment, n_requests=args.requests, instances=args.instances,
+                            agent_instances=args.agent_instances, agent_duration_s=60.0 * args.agent_minutes,
+                            seeds=args.seeds, price_per_hour=args.price, workers=args.workers)
         print(part_b_table(result))
-        print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'}")
-        ok = ok and all(r["finished"] == r["requests"] for r in result["rows"])
+        print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'} "
+              f"({result['run_wall_s']:.0f} s wall)")
+        ok = ok and all(r["goodput"] > 0 for r in result["rows"] if r["policy"] != "none")
     return 0 if ok else 1
 
 
@@ -124,13 +127,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=positive_int_arg, default=1,
                         help="part A: wall-clock repeats; the fastest is kept")
     parser.add_argument("--requests", type=positive_int_arg, default=None,
-                        help="part B: the trace's first N requests (none given: all)")
-    parser.add_argument("--instances", type=positive_int_arg, default=8, help="part B: engine instances")
-    parser.add_argument("--capacity-tokens", type=positive_int_arg, default=2_000_000,
-                        help="part B: each instance's pool in tokens of KV")
+                        help="part B: the conversation trace's first N requests (none given: all)")
+    parser.add_argument("--instances", type=positive_int_arg, default=8,
+                        help="part B: instances serving the conversation trace")
+    parser.add_argument("--agent-instances", type=positive_int_arg, default=4,
+                        help="part B: instances serving the agent sessions")
+    parser.add_argument("--agent-minutes", type=positive_int_arg, default=15,
+                        help="part B: simulated minutes of each closed-loop agent replay")
+    parser.add_argument("--seeds", type=positive_int_arg, default=3,
+                        help="part B: session orders each agent load is replayed with (pooled)")
+    parser.add_argument("--workers", type=positive_int_arg, default=None,
+                        help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,
                         help="part B: assumed dollars per accelerator-hour")
     from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
 
     parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT.name, choices=sorted(DEPLOYMENTS),
-                        help="part B: the deployment of each instance (pages, states and step times)")
+                        help="part B: the hybrid's deployment (pages, states and step times)")

@@ -1,67 +1,48 @@
-"""Part B of the book's experiment: the same ablation at Kimi-Linear-48B sizes, on the real trace.
+"""Part B of the book's experiment: what each method is worth in instances and dollars at a latency target.
 
-The real Mooncake conversation trace (``data/mooncake_conversation.jsonl``) is replayed
-at its own timestamps on a fixed fleet of engine instances (chapter 10's simulator:
-continuous batching, chunked prefill, one page pool per instance for running requests
-and the prefix cache, step times from the ``costs`` roofline). Starting from a plain
-baseline -- no prefix reuse, round-robin routing -- ONE component is toggled at a time:
+For every variant of :mod:`kimilab.experiment.variants` (prefix policy x router on the
+hybrid, and the all-MLA transformer), on chapter 10's fleet simulator with the default
+deployment's step times and each device's real HBM as the pool:
 
-* ``prefix:no-states``   a prefix cache that keeps KV blocks but no KDA state (Part A's
-  lesson at scale: KV hits, no usable hit);
-* ``prefix:every-block`` / ``prefix:dual`` KV + state checkpoints (chapter 6's policies);
-* ``router:state-aware`` the router that scores usable hits, toggled over ``prefix:dual``
-  (a cache-aware router has nothing to route on without a cache).
+* **conversation** (the real Mooncake trace, open loop at its own timestamps divided by a
+  rate scale): the highest scale ``instances`` instances serve within
+  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (TTFT p99 <= 30 s, TPOT p99 <= 100 ms),
+  as requests/s per instance, and dollars per million output tokens for the fleet at
+  that load;
+* **agents** (the real Claude Code sessions, closed loop: each request a recorded think
+  time after the reply it waited for): the most concurrent sessions ``agent_instances``
+  instances serve within :data:`~kimilab.fleet.goodput.AGENT_SLO` (TTFT p95 <= 2 s), per
+  instance, and dollars per million output tokens.
 
-Speculative decoding is not here: ``costs.spec`` models one request's tokens per second,
-and the engine's batched decode step has no hook for it, so speculation stays Part A only.
-
-Every variant reports the usable and KV hit rates, TTFT p50/p99, TPOT p50/p99, throughput,
-the prefill tokens computed, accelerator-seconds (provisioned: every device of every
-instance for the whole run; busy: only while stepping) and the cost per million output
-tokens at a stated price per accelerator-hour -- an estimate whose assumptions are
-returned beside it. Everything is deterministic except the wall-clock fields, whose names
-end in ``_wall_s``.
+Each variant's row carries its ratio to the strong baseline (``ends`` + ``prefix-affinity``).
+Everything is deterministic except the wall-clock fields, whose names end in ``_wall_s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
-
 from kimilab import costs
-from kimilab.config import kimi_linear_48b
-from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace, reuse_upper_bound
+from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
+from kimilab.fleet import Fleet, run_fleet
+from kimilab.fleet.closed import run_closed_loop, session_turns
+from kimilab.fleet.goodput import (AGENT_SLO, MOONCAKE_SLO, SloGuard, max_rate_scale, max_sessions, priced,
+                                   window)
+from kimilab.traffic import CLAUDE_CODE, MOONCAKE_CONVERSATION, load_sessions, load_trace
 from kimilab.validate import check_float, check_int
 
-__all__ = ["Variant", "VARIANTS", "VARIANT_NAMES", "TRACE_PATH", "no_reuse", "run_variant", "run_part_b",
-           "cost_per_m_output"]
+__all__ = ["TRACE_PATH", "SESSIONS_PATH", "no_reuse", "cost_per_m_output", "conversation_goodput",
+           "agent_capacity", "run_part_b", "VARIANTS", "VARIANT_NAMES", "Variant"]
 
-TRACE_PATH = Path(__file__).resolve().parents[2] / "data" / MOONCAKE_CONVERSATION
-BLOCK = 512  # the trace's block size (tokens per hash id)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One row of the ablation: a prefix-cache policy (or none) and a router."""
-
-    name: str
-    policy: str | None  # None: no prefix reuse
-    router: str
-    over: str  # the variant this one toggles one component of
-
-
-VARIANTS = (
-    Variant("baseline", None, "round-robin", "-"),
-    Variant("prefix:no-states", "no-states", "round-robin", "baseline"),
-    Variant("prefix:every-block", "every-block", "round-robin", "baseline"),
-    Variant("prefix:dual", "dual", "round-robin", "baseline"),
-    Variant("router:state-aware", "dual", "state-aware", "prefix:dual"),
-)
-VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+DATA = Path(__file__).resolve().parents[2] / "data"
+TRACE_PATH = DATA / MOONCAKE_CONVERSATION
+SESSIONS_PATH = DATA / CLAUDE_CODE
+BLOCK = 512  # the traces' block size (tokens per hash id)
 
 
 def no_reuse(requests) -> list:
@@ -74,134 +55,210 @@ def no_reuse(requests) -> list:
     return out
 
 
+def _no_reuse_turns(sessions) -> list:
+    nxt = 0
+    out = []
+    for s in sessions:
+        turns = []
+        for t in s:
+            turns.append(dataclasses.replace(t, hash_ids=tuple(range(nxt, nxt + len(t.hash_ids)))))
+            nxt += len(t.hash_ids)
+        out.append(turns)
+    return out
+
+
 def cost_per_m_output(accelerator_seconds: float, price_per_hour: float, output_tokens: int) -> float:
     """Dollars per million output tokens: accelerator-hours x price / output tokens x 1e6."""
     return accelerator_seconds / 3600.0 * price_per_hour / max(int(output_tokens), 1) * 1e6
 
 
-def run_variant(requests, variant: Variant, *, deployment: costs.Deployment, instances: int, capacity_tokens: int,
-                price_per_hour: float) -> dict:
-    """Serve ``requests`` under one variant; one row of numbers (seconds are simulated unless named wall).
+@lru_cache(maxsize=4)
+def _trace(path: str, n_requests: int | None) -> tuple:
+    reqs = load_trace(path, BLOCK)
+    return tuple(reqs if n_requests is None else reqs[:n_requests])
 
-    Each instance is one ``deployment``: its pages, states and step times."""
-    from kimilab.fleet import run_fleet
 
-    reqs = no_reuse(requests) if variant.policy is None else requests
-    policy = variant.policy or "kv-only"  # with unique block ids no policy can hit: states never matter
+@lru_cache(maxsize=2)
+def _sessions(path: str) -> tuple:
+    return tuple(tuple(s) for s in session_turns(load_sessions(path)))
+
+
+def _setup(v: Variant, deployment: str | None = None):
+    """The variant's model, deployment (``deployment`` replaces the tensor-parallel one), policy, pool."""
+    dep_name = deployment if deployment and v.deployment == costs.DEFAULT_DEPLOYMENT.name else v.deployment
+    cfg, dep = model_of(v.model), costs.deployment(dep_name)
+    policy = "kv-only" if v.policy == "none" else v.policy  # unique ids: nothing hits, states never matter
+    return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
+
+
+def _base_row(v: Variant, workload: str) -> dict:
+    return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
+            "router": v.router, "deployment": v.deployment}
+
+
+def _knee(row: dict, result, slo) -> dict:
+    got = window(result, slo)
+    row.update({"ttft_limit_pct_s": round(got["ttft_s"], 6), "ttft_p50_s": round(got["ttft_p50_s"], 6),
+                "tpot_p50_s": round(got["tpot_p50_s"], 6),
+                "tpot_limit_pct_s": None if got["tpot_s"] is None else round(got["tpot_s"], 6)})
+    return row
+
+
+def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8, price_per_hour: float = 2.0,
+                         start: float = 4.0, rel_tol: float = 0.05, trace: Path | str | None = None, slo=MOONCAKE_SLO,
+                         deployment: str | None = None) -> dict:
+    """The highest rate scale ``instances`` instances serve the trace at within ``slo``, and its price."""
+    cfg, dep, policy, cap = _setup(v, deployment)
+    reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
+    if v.policy == "none":
+        reqs = no_reuse(reqs)
     t0 = time.perf_counter()
-    res = run_fleet(reqs, kimi_linear_48b, deployment=deployment, instances=instances, router=variant.router,
-                    capacity_tokens=capacity_tokens, policy=policy, block_size=BLOCK)
-    wall = time.perf_counter() - t0
-    s = res.summary()
-    out_tok = int(res.output_tokens.sum())
-    makespan = float((res.arrival_s + res.e2e_s).max()) if res.finished else 0.0  # the fleet is up from t = 0
-    devices = deployment.n_devices
-    accel = instances * devices * makespan
-    busy = float(res.busy_s.sum()) * devices
-    return {
-        "variant": variant.name, "policy": variant.policy or "none (no prefix reuse)", "router": variant.router,
-        "over": variant.over, "requests": res.requests, "finished": res.finished, "refused": res.refused,
-        "preemptions": res.preemptions,
-        "usable_hit_rate": s["usable_hit_rate"], "kv_hit_rate": s["kv_hit_rate"],
-        "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
-        "tpot_p50_s": s["tpot_p50_s"], "tpot_p99_s": s["tpot_p99_s"],
-        "prompt_tokens": int(res.input_tokens.sum()), "usable_hit_tokens": s["usable_hit_tokens"],
-        "prefill_tokens_computed": int(res.computed.sum()),
-        "output_tokens": out_tok, "makespan_s": round(makespan, 6),
-        "throughput_tokens_per_s": round(out_tok / makespan, 6) if makespan else 0.0,
-        "accelerator_seconds": round(accel, 6), "busy_accelerator_seconds": round(busy, 6),
-        "busy_fraction": round(busy / accel, 6) if accel else 0.0,
-        "tokens_per_busy_accelerator_s": round(out_tok / busy, 6) if busy else 0.0,
-        "cost_per_m_output_usd": round(cost_per_m_output(accel, price_per_hour, out_tok), 6),
-        "busy_cost_per_m_output_usd": round(cost_per_m_output(busy, price_per_hour, out_tok), 6),
-        "run_wall_s": round(wall, 3),
-    }
+
+    def run(scale):
+        return run_fleet(reqs, cfg, deployment=dep, instances=instances, router=v.router, capacity_tokens=cap,
+                         rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, reqs))
+
+    scale, res, tried = max_rate_scale(run, slo, start=start, rel_tol=rel_tol)
+    row = _base_row(v, "conversation")
+    row["deployment"] = dep.name
+    row.update({"instances": instances, "max_rate_scale": round(scale, 6), "tried": [[round(s, 6), ok] for s, ok in tried]})
+    if res is None:
+        row["goodput"] = 0.0
+        return row
+    span = (reqs[-1].arrival_ms - reqs[0].arrival_ms) / 1000.0 / scale
+    p = priced(res, span_s=span, price_per_hour=price_per_hour)
+    row.update({"requests_per_s": round(len(reqs) / span, 6),
+                "goodput": round(p["requests_per_s_per_instance"], 6),
+                "output_tokens_per_s_per_instance": round(p["output_tokens_per_s_per_instance"], 6),
+                "usd_per_m_output": round(p["usd_per_m_output"], 6), "busy_fraction": round(p["busy_fraction"], 6),
+                "usable_hit_rate": round(res.usable_hit_rate(), 6),
+                "kv_hit_rate": round(float(res.kv_hit.sum() / res.input_tokens.sum()), 6),
+                "preemptions": res.preemptions, "run_wall_s": round(time.perf_counter() - t0, 3)})
+    return _knee(row, res, slo)
 
 
-def assumptions(*, deployment: costs.Deployment, instances: int, capacity_tokens: int, price_per_hour: float,
-                n_requests: int, trace: str) -> dict:
-    """What the estimate rests on, printed next to it."""
-    cfg, dev = kimi_linear_48b, deployment.device
-    return {
-        "model": cfg.name, "trace": trace, "requests": n_requests, "arrivals": "the trace's own timestamps",
-        "instances": instances, "deployment": deployment.describe(), "accelerator": dev.name,
-        "accelerators_per_instance": deployment.n_devices,
-        "attention_split": deployment.attention, "hbm_gb_per_accelerator": dev.hbm_bytes / 1e9,
-        "hbm_tb_per_s_per_accelerator": dev.hbm_bandwidth / 1e12, "peak_tflops_per_accelerator": dev.peak_flops / 1e12,
-        "kernels": {k: getattr(deployment.kernels, k) for k in ("gemm", "attention", "kda", "bandwidth",
-                                                                 "layer_overhead_s")},
-        "pool_tokens_per_instance": capacity_tokens,
-        "pool_gb_per_device": round(capacity_tokens * costs.kv_bytes_per_token(cfg, deployment) / 1e9, 3),
-        "block_tokens": BLOCK, "price_usd_per_accelerator_hour": price_per_hour,
-        "notes": ["latencies are simulated seconds from the calibrated step model (chapter 3), not measurements",
-                  "price is an assumption; every cost scales linearly with it",
-                  "accelerator_seconds = instances x accelerators per instance x makespan (what a fixed fleet "
-                  "rents); busy_accelerator_seconds counts only time an instance was stepping (a fleet sized "
-                  "perfectly to its load)",
-                  "throughput_tokens_per_s is output tokens over the makespan: at the trace's own timestamps it "
-                  "is set by the arrivals; tokens_per_busy_accelerator_s is what the accelerators did while busy",
-                  "speculative decoding: Part A only (no batched TPOT model to plug into the engine)",
-                  "drafting, networking, host overheads and failures are not modelled"],
-    }
+def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, seeds: int = 3,
+                   price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
+                   sessions_path: Path | str | None = None, deployment: str | None = None) -> dict:
+    """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop, each
+    load replayed with ``seeds`` session orders and judged on their requests pooled)."""
+    cfg, dep, policy, cap = _setup(v, deployment)
+    sessions = [list(s) for s in _sessions(str(sessions_path or SESSIONS_PATH))]
+    if v.policy == "none":
+        sessions = _no_reuse_turns(sessions)
+    t0 = time.perf_counter()
+
+    def run(n):
+        out = []
+        for seed in range(seeds):
+            fleet = Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
+                          block_size=BLOCK)
+            out.append(run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=seed))
+        return out
+
+    n, res, tried = max_sessions(run, slo, start=start, rel_tol=rel_tol)
+    row = _base_row(v, "agents")
+    row["deployment"] = dep.name
+    row.update({"instances": instances, "max_sessions": n, "tried": [[k, ok] for k, ok in tried],
+                "goodput": round(n / instances, 6)})
+    if res is None:
+        return row
+    p = priced(res, span_s=duration_s, price_per_hour=price_per_hour)
+    hit = sum(float(r.usable_hit.sum()) for r in res) / sum(float(r.input_tokens.sum()) for r in res)
+    row.update({"requests_per_s_per_instance": round(p["requests_per_s_per_instance"], 6),
+                "output_tokens_per_s_per_instance": round(p["output_tokens_per_s_per_instance"], 6),
+                "usd_per_m_output": round(p["usd_per_m_output"], 6), "busy_fraction": round(p["busy_fraction"], 6),
+                "usable_hit_rate": round(hit, 6), "preemptions": sum(r.preemptions for r in res),
+                "run_wall_s": round(time.perf_counter() - t0, 3)})
+    return _knee(row, res, slo)
 
 
-def run_part_b(out: Path | str | None = None, *, deployment: costs.Deployment, n_requests: int | None = None,
-               instances: int = 8, capacity_tokens: int = 2_000_000, price_per_hour: float = 2.0,
-               trace: Path | str | None = None, variants=VARIANT_NAMES) -> dict:
-    """Part B on the real trace (its first ``n_requests``, or all); writes ``out/part_b.json`` and ``.md``."""
+def _job(job: tuple) -> dict:
+    workload, name, kwargs = job
+    fn = conversation_goodput if workload == "conversation" else agent_capacity
+    return fn(variant(name), **kwargs)
+
+
+def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, instances: int = 8,
+               agent_instances: int = 4, agent_duration_s: float = 900.0, seeds: int = 3, price_per_hour: float = 2.0,
+               rel_tol: float = 0.05, variants=None, workloads=("conversation", "agents"),
+               workers: int | None = None, deployment: str | None = None, start_scale: float = 8.0) -> dict:
+    """Every variant's goodput on both workloads (jobs spread over ``workers`` processes; the numbers do
+    not depend on how many); writes ``out/part_b.json`` and ``.md`` if ``out`` is given."""
+    variants = VARIANT_NAMES if variants is None else tuple(variants)
     instances = check_int("instances", instances, 1)
-    capacity_tokens = check_int("capacity_tokens", capacity_tokens, 1, unit="tokens of KV per instance")
+    agent_instances = check_int("agent_instances", agent_instances, 1)
     price_per_hour = check_float("price_per_hour", price_per_hour, minimum=0.0)
     unknown = [v for v in variants if v not in VARIANT_NAMES]
     if unknown or not variants:
-        raise ValueError(f"variants={list(variants)!r}: expected a non-empty subset of {VARIANT_NAMES}")
-    path = Path(trace) if trace is not None else TRACE_PATH
-    if not path.is_file():
-        raise FileNotFoundError(f"trace={str(path)!r}: no such file (the real trace ships in data/)")
-    requests = load_trace(path, BLOCK)
-    if n_requests is not None:
-        requests = requests[:check_int("n_requests", n_requests, 1)]
+        raise ValueError(f"variants={list(variants)!r}: expected a non-empty subset of {list(VARIANT_NAMES)}")
+    if BASELINE not in variants:
+        raise ValueError(f"variants: must include the baseline {BASELINE!r} (every ratio is to it)")
+    if not TRACE_PATH.is_file():
+        raise FileNotFoundError(f"trace={str(TRACE_PATH)!r}: no such file (the real trace ships in data/)")
+    if deployment is not None:
+        costs.deployment(deployment)  # a bad name is a ValueError naming the argument
+    if not set(workloads) <= {"conversation", "agents"} or not workloads:
+        raise ValueError(f"workloads={list(workloads)!r}: expected a non-empty subset of ['conversation', 'agents']")
+    kw = {"conversation": {"n_requests": n_requests, "instances": instances, "price_per_hour": price_per_hour,
+                           "rel_tol": rel_tol, "deployment": deployment, "start": start_scale},
+          "agents": {"instances": agent_instances, "duration_s": agent_duration_s, "seeds": seeds,
+                     "price_per_hour": price_per_hour, "rel_tol": rel_tol, "start": 16 * agent_instances,
+                     "deployment": deployment}}
+    # On one tensor-parallel instance every router sends every request to it: run one router per
+    # (model, policy, deployment) and copy its row to the others (they would be identical).
+    single = {"conversation": instances == 1, "agents": agent_instances == 1}
+    jobs, same = [], {}
+    for name in variants:
+        v = variant(name)
+        for w in workloads:
+            key = (w, v.model, v.policy, v.deployment)
+            if single[w] and v.deployment == costs.DEFAULT_DEPLOYMENT.name and key in same:
+                continue
+            same.setdefault(key, name)
+            jobs.append((w, name, kw[w]))
     t0 = time.perf_counter()
-    rows = [run_variant(requests, v, deployment=deployment, instances=instances, capacity_tokens=capacity_tokens,
-                        price_per_hour=price_per_hour) for v in VARIANTS if v.name in variants]
+    workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
+    if workers <= 1:
+        done = [_job(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            done = list(pool.map(_job, jobs))
+    by = {(r["workload"], r["variant"]): r for r in done}
+    rows = []
+    for name in variants:
+        v = variant(name)
+        for w in workloads:
+            row = by.get((w, name))
+            if row is None:  # a router that cannot differ on one instance
+                first = by[(w, same[(w, v.model, v.policy, v.deployment)])]
+                row = dict(first, variant=name, router=v.router, same_as=first["variant"])
+            rows.append(row)
+    for w in workloads:
+        base = next(r for r in rows if r["workload"] == w and r["variant"] == BASELINE)
+        for r in rows:
+            if r["workload"] == w:
+                r["goodput_ratio"] = round(r["goodput"] / base["goodput"], 6) if base["goodput"] else None
+                if r.get("usd_per_m_output") and base.get("usd_per_m_output"):
+                    r["cost_ratio"] = round(r["usd_per_m_output"] / base["usd_per_m_output"], 6)
     from kimilab.experiment.results import _version
+    from kimilab.experiment.tables import assumptions
 
-    result = {
-        "experiment": "part B: the ablation at Kimi-Linear-48B sizes on the real Mooncake conversation trace "
-                      "(fleet simulator, simulated time)",
-        "config": assumptions(deployment=deployment, instances=instances, capacity_tokens=capacity_tokens,
-                              price_per_hour=price_per_hour, n_requests=len(requests), trace=path.name),
-        "reuse_upper_bound": round(reuse_upper_bound(requests, BLOCK), 6),
-        "kimilab": _version(),
-        "rows": rows,
-        "run_wall_s": round(time.perf_counter() - t0, 3),
-    }
+    result = {"experiment": "part B: goodput and dollars at the SLO, per variant, on real chat and agent traffic "
+                            "(fleet simulator, simulated time)",
+              "config": assumptions(n_requests=len(_trace(str(TRACE_PATH), n_requests)), instances=instances,
+                                    agent_instances=agent_instances, agent_duration_s=agent_duration_s, seeds=seeds,
+                                    price_per_hour=price_per_hour, rel_tol=rel_tol,
+                                    deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
+              "baseline": BASELINE, "kimilab": _version(), "rows": rows,
+              "run_wall_s": round(time.perf_counter() - t0, 3)}
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
         import json
 
+        from kimilab.experiment.tables import part_b_table
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "part_b.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         (out / "part_b.md").write_text(part_b_table(result) + "\n", encoding="utf-8")
     return result
-
-
-def part_b_table(result: dict) -> str:
-    """Markdown: one row per variant, then the assumptions the cost rests on."""
-    c = result["config"]
-    lines = ["| variant | toggles over | usable hit | KV hit | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) "
-             "| throughput (tok/s) | prefill computed | accel-s (busy) | $/M out (fleet) | $/M out (busy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['over']} | {r['usable_hit_rate']:.3f} | {r['kv_hit_rate']:.3f} "
-                     f"| {r['ttft_p50_s']:.4f} | {r['ttft_p99_s']:.3f} | {1e3 * r['tpot_p50_s']:.3f} "
-                     f"| {r['throughput_tokens_per_s']:,.0f} | {r['prefill_tokens_computed']:,} "
-                     f"| {r['accelerator_seconds']:,.0f} ({r['busy_accelerator_seconds']:,.0f}) "
-                     f"| {r['cost_per_m_output_usd']:.2f} | {r['busy_cost_per_m_output_usd']:.3f} |")
-    lines += ["", f"Assumptions: {c['requests']:,} requests of {c['trace']} at {c['arrivals']}; {c['instances']} "
-              f"instances of {c['accelerators_per_instance']} x {c['accelerator']} ({c['attention_split']} attention); "
-              f"a pool of {c['pool_tokens_per_instance']:,} tokens of KV ({c['pool_gb_per_device']:g} GB per "
-              f"device) per instance; ${c['price_usd_per_accelerator_hour']:g} per accelerator-hour. Infinite-cache hit-rate "
-              f"ceiling of these requests: {result['reuse_upper_bound']:.3f}."]
-    lines += [f"- {n}" for n in c["notes"]]
-    return "\n".join(lines)

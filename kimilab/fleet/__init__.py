@@ -8,7 +8,8 @@ failures, per-tenant isolation, and what a run measured.
 
 from kimilab.fleet.fleet import ISOLATION, Fleet, run_fleet
 from kimilab.fleet.result import FleetResult
-from kimilab.fleet.routers import ROUTERS, LeastLoaded, PrefixAffinity, RoundRobin, Router, StateAware, make_router
+from kimilab.fleet.routers import (ROUTERS, ApproximateTree, CostRouter, LeastLoaded, LeastWork, PrefixAffinity,
+                                   RoundRobin, Router, StateAware, make_router)
 
 __all__ = ["ISOLATION", "Fleet", "run_fleet", "FleetResult", "ROUTERS", "Router", "RoundRobin", "LeastLoaded",
-           "PrefixAffinity", "StateAware", "make_router"]
+           "PrefixAffinity", "StateAware", "make_router", "LeastWork", "CostRouter", "ApproximateTree"]

@@ -16,36 +16,61 @@ from typing import Sequence
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment, StepTimer
 from kimilab.engine import Engine, Live
+from kimilab.engine.dp import DpDeviceTimer
 from kimilab.fleet.result import FleetResult
 from kimilab.fleet.routers import make_router
 from kimilab.gcpause import gc_paused
 from kimilab.validate import check_float, check_int
 
-__all__ = ["Fleet", "ISOLATION", "run_fleet"]
+__all__ = ["Fleet", "ISOLATION", "run_fleet", "shared_timer"]
 
 ISOLATION = ("none", "quota")
 
 
+_TIMERS: dict = {}
+
+
+def shared_timer(config: ModelConfig, deployment: Deployment) -> StepTimer:
+    """One step timer per (model, deployment) in this process: its memo of step times outlives one
+    run (a goodput search replays the same trace a dozen times). DP-attention: one device's timer."""
+    key = (config, deployment)
+    timer = _TIMERS.get(key)
+    if timer is None:
+        dp = deployment.attention == "dp" and deployment.n_devices > 1
+        timer = _TIMERS[key] = DpDeviceTimer(config, deployment) if dp else StepTimer(config, deployment)
+    return timer
+
+
 class Fleet:
-    """``n`` identical instances behind one router."""
+    """``n`` identical instances behind one router (under DP-attention, ``n`` x devices engines, one a
+    device: ``capacity_tokens`` is still per instance, split evenly over its devices)."""
 
     def __init__(self, config: ModelConfig, n: int, router: str, *, deployment: Deployment,
                  capacity_tokens: int | None, isolation: str = "none", tenants: Sequence[str] = (),
-                 reserve: float = 0.5, **engine_kw):
+                 reserve: float = 0.5, engine_class: type = Engine, router_options: dict | None = None,
+                 **engine_kw):
         n = check_int("instances", n, 1)
         if isolation not in ISOLATION:
             raise ValueError(f"isolation={isolation!r}: expected one of {ISOLATION}")
-        self.router = make_router(router)
+        self.router = make_router(router, **(router_options or {}))
         self.isolation = isolation
         quotas = None
         if isolation == "quota":
             tenants = list(dict.fromkeys(tenants)) or ["default"]
             quotas = {t: reserve / len(tenants) for t in tenants}
-        # one timer (its memo of step times) shared by the instances, on their deployment
-        timer = StepTimer(config, deployment)
+        # one timer (its memo of step times) shared by the engines, on their deployment. Under
+        # DP-attention each device is an engine with its own pool (kimilab.engine.dp).
+        dp = deployment.attention == "dp" and deployment.n_devices > 1
+        timer = shared_timer(config, deployment)
         self.deployment = deployment
-        self.instances = [Engine(config, deployment=deployment, capacity_tokens=capacity_tokens, quotas=quotas,
-                                 fair=isolation == "quota", timer=timer, index=i, **engine_kw) for i in range(n)]
+        self.n_deployed = n  # instances as deployed (under DP-attention each is n_devices engines)
+        self.devices_per_engine = 1 if dp else deployment.n_devices
+        n_engines = n * deployment.n_devices // self.devices_per_engine
+        if dp and capacity_tokens is not None:
+            capacity_tokens = max(1, capacity_tokens // deployment.n_devices)  # each device's share
+        self.instances = [engine_class(config, deployment=deployment, capacity_tokens=capacity_tokens, quotas=quotas,
+                                       fair=isolation == "quota", timer=timer, index=i, dp_device=dp, **engine_kw)
+                          for i in range(n_engines)]
         self.failures: list[tuple[int, float]] = []
 
     def alive(self) -> list[Engine]:
@@ -73,8 +98,13 @@ class Fleet:
         for live in inst.fail():
             self._route(live, t)
 
-    def run(self, requests: Sequence, *, rate_scale: float = 1.0, fails: Sequence[tuple[int, float]] = ()) -> FleetResult:
-        """Serve ``requests`` at their arrival times divided by ``rate_scale``; ``fails`` = [(instance, seconds)]."""
+    def run(self, requests: Sequence, *, rate_scale: float = 1.0, fails: Sequence[tuple[int, float]] = (),
+            guard=None) -> FleetResult:
+        """Serve ``requests`` at their arrival times divided by ``rate_scale``; ``fails`` = [(instance, seconds)].
+
+        ``guard`` (optional, e.g. :class:`kimilab.fleet.goodput.SloGuard`) is asked after every
+        arrival whether the outcome is already certain; if so the run stops there and the
+        result says ``aborted``."""
         rate_scale = check_float("rate_scale", rate_scale, minimum=0.0)
         if rate_scale <= 0:
             raise ValueError(f"rate_scale={rate_scale}: expected > 0")
@@ -92,6 +122,10 @@ class Fleet:
                     self.fail(*pending_fails.pop(0))
                 self._advance(t)
                 self._route(Live(req, t), t)
+                if guard is not None and guard.check(self):
+                    res = FleetResult.of(self, len(requests), time.perf_counter() - start)
+                    res.aborted = True
+                    return res
             for index, t in pending_fails:
                 self.fail(index, t)
             for e in self.alive():
@@ -101,9 +135,9 @@ class Fleet:
 
 def run_fleet(requests: Sequence, config: ModelConfig, *, deployment: Deployment, instances: int, router: str,
               capacity_tokens: int | None, isolation: str = "none", rate_scale: float = 1.0,
-              fails: Sequence[tuple[int, float]] = (), **engine_kw) -> FleetResult:
+              fails: Sequence[tuple[int, float]] = (), guard=None, **engine_kw) -> FleetResult:
     """One fleet run (the CLI's ``fleet`` command, and the chapter's experiments)."""
     tenants = [r.tenant for r in requests]
     fleet = Fleet(config, instances, router, deployment=deployment, capacity_tokens=capacity_tokens,
                   isolation=isolation, tenants=tenants, **engine_kw)
-    return fleet.run(requests, rate_scale=rate_scale, fails=fails)
+    return fleet.run(requests, rate_scale=rate_scale, fails=fails, guard=guard)

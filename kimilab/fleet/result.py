@@ -43,6 +43,9 @@ class FleetResult:
     failures: list = field(default_factory=list)
     wall_seconds: float = 0.0
     request_ids: np.ndarray = field(default=None, repr=False)
+    devices: int = 0  # accelerators in the fleet (instances x devices each)
+    n_deployed: int = 0  # instances as deployed (n_instances counts engines: one per device under DP-attention)
+    aborted: bool = False  # stopped early: a guard found the outcome certain (kimilab.fleet.goodput)
 
     @classmethod
     def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
@@ -61,7 +64,8 @@ class FleetResult:
                    col(lambda f: f.computed, int), sum(f.preemptions for f in done),
                    sum(f.restarts for f in done), sum(len(e.refused) for e in fleet.instances),
                    fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
-                   col(lambda f: f.request_id, int))
+                   col(lambda f: f.request_id, int), len(fleet.instances) * fleet.devices_per_engine,
+                   fleet.n_deployed)
 
     @property
     def finished(self) -> int:

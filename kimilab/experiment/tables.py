@@ -1,0 +1,72 @@
+"""Part B's record: what its numbers rest on, and the headline table."""
+
+from __future__ import annotations
+
+from kimilab import costs
+from kimilab.config import kimi_linear_48b
+from kimilab.experiment.variants import BASELINE, model_of
+from kimilab.fleet.goodput import AGENT_SLO, MOONCAKE_SLO
+
+__all__ = ["assumptions", "part_b_table"]
+
+
+def assumptions(*, n_requests: int, instances: int, agent_instances: int, agent_duration_s: float, seeds: int,
+                price_per_hour: float, rel_tol: float, deployment: costs.Deployment = costs.DEFAULT_DEPLOYMENT) -> dict:
+    """What the estimate rests on, printed under the table (``deployment``: the hybrid's)."""
+    dep = deployment
+    dev = dep.device
+    pools = {name: costs.capacity_tokens(model_of(name), d) for name, d in
+             (("kimi_linear_48b", dep), ("all_mla_27", dep), ("all_mla_27_fp8kv", dep))}
+    return {
+        "model": kimi_linear_48b.name, "deployment": dep.describe(), "accelerator": dev.name,
+        "accelerators_per_instance": dep.n_devices, "hbm_gb_per_accelerator": dev.hbm_bytes / 1e9,
+        "pool_tokens_per_instance": pools, "block_tokens": 512,
+        "conversation": {"trace": "mooncake_conversation.jsonl", "requests": n_requests, "instances": instances,
+                         "arrivals": "the trace's timestamps divided by the rate scale",
+                         "slo": MOONCAKE_SLO.describe(), "slo_source": MOONCAKE_SLO.source},
+        "agents": {"sessions": "claude_code_sessions.jsonl.gz (80 real Claude Code sessions)",
+                   "instances": agent_instances, "window_s": agent_duration_s, "seeds": seeds,
+                   "arrivals": "closed loop: each request a recorded think time (capped at 60 s) after the reply "
+                               "it waited for; a finished session's slot starts the next one",
+                   "slo": AGENT_SLO.describe() + f" (requests arriving after {AGENT_SLO.warmup_s:g} s)",
+                   "slo_source": AGENT_SLO.source},
+        "search_rel_tol": rel_tol, "price_usd_per_accelerator_hour": price_per_hour,
+        "notes": ["latencies are simulated seconds from the calibrated step model (chapter 3), not measurements",
+                  "goodput: the highest load within the SLO (bisection; an overloaded replay stops once the SLO "
+                  "is certainly missed)",
+                  "cost: the fleet sized to that load, every accelerator rented for the load's duration; it scales "
+                  "linearly with the price",
+                  "DP-attention instances are simulated as one engine per device (kimilab.engine.dp: lock-step "
+                  "stalls between devices are left out, which flatters them under skewed load)",
+                  "drafting, networking, host overheads and failures are not modelled"],
+    }
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def part_b_table(result: dict) -> str:
+    """Markdown: one row per variant, both workloads side by side, ratios to the strong baseline."""
+    rows = result["rows"]
+    conv = {r["variant"]: r for r in rows if r["workload"] == "conversation"}
+    agent = {r["variant"]: r for r in rows if r["workload"] == "agents"}
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    lines = ["| variant | chat: req/s per instance | x baseline | $/M out | busy | agents: sessions per instance "
+             "| x baseline | $/M out |", "|---|---|---|---|---|---|---|---|"]
+    for n in names:
+        c, a = conv.get(n, {}), agent.get(n, {})
+        mark = " (baseline)" if n == result["baseline"] else ""
+        lines.append(f"| {n}{mark} | {_f(c.get('goodput'), '.3f')} | {_f(c.get('goodput_ratio'), '.2f')} "
+                     f"| {_f(c.get('usd_per_m_output'), '.2f')} | {_f(c.get('busy_fraction'), '.2f')} "
+                     f"| {_f(a.get('goodput'), '.2f')} | {_f(a.get('goodput_ratio'), '.2f')} "
+                     f"| {_f(a.get('usd_per_m_output'), '.2f')} |")
+    cfg = result["config"]
+    cv, ag = cfg["conversation"], cfg["agents"]
+    lines += ["", f"Conversation: the first {cv['requests']:,} requests of {cv['trace']} on {cv['instances']} "
+              f"instances, {cv['slo']} ({cv['slo_source']}). Agents: {ag['sessions']} on {ag['instances']} "
+              f"instances, {ag['window_s']:g} s windows x {ag['seeds']} session orders, {ag['slo']}. "
+              f"Each instance: {cfg['deployment']}; ${cfg['price_usd_per_accelerator_hour']:g} per "
+              f"accelerator-hour. Baseline: {BASELINE}."]
+    lines += [f"- {n}" for n in cfg["notes"]]
+    return "\n".join(lines)
