@@ -20,6 +20,7 @@ A bad argument or a bad trace line is one line on stderr naming it, and exit sta
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from typing import Sequence
@@ -62,6 +63,7 @@ def _add_deployment(parser) -> None:
 
 def _parser() -> _Parser:
     from kimilab.config import PRESETS
+    from kimilab.fleet.routers import ROUTERS
     from kimilab.prefix.policies import POLICIES
 
     top = _Parser(prog="python -m kimilab", description=__doc__.splitlines()[0])
@@ -82,7 +84,8 @@ def _parser() -> _Parser:
     p.add_argument("--block-size", type=positive_int_arg, default=512,
                    help="tokens per hash block and per KV page (512 is Mooncake's)")
     p.add_argument("--interval", type=positive_int_arg, default=None,
-                   help="checkpoint interval in tokens, for align and dual (if not given: align 2048, dual none)")
+                   help="checkpoint interval in tokens, for the policies that take one (align, dual, chunk-ends, "
+                        "periodic; if not given, each policy's own default)")
     p.add_argument("--alpha", type=float, default=0.005,
                    help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers")
     p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
@@ -126,7 +129,7 @@ def _parser() -> _Parser:
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
     f.add_argument("traces", nargs="+", metavar="TRACE.jsonl", help="Mooncake jsonl traces, one tenant each")
     f.add_argument("--instances", type=positive_int_arg, required=True, help="engine instances")
-    f.add_argument("--router", required=True, choices=["round-robin", "least-loaded", "prefix-affinity", "state-aware"])
+    f.add_argument("--router", required=True, choices=sorted(ROUTERS), help="how arrivals pick an instance")
     f.add_argument("--isolation", default="none", choices=["none", "quota"],
                    help="quota: per-tenant reserved cache share and fair (virtual token counter) admission")
     f.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
@@ -257,11 +260,13 @@ def _prefix(args, parser) -> int:
     from kimilab.config import preset
     from kimilab.costs import deployment
     from kimilab.prefix import HybridPrefixCache, RunPrefixCache, make_policy
+    from kimilab.prefix.policies import POLICIES
     from kimilab.sim import simulate
     from kimilab.traffic import load_trace
 
-    if args.interval is not None and args.policy not in ("align", "dual"):
-        parser.error(f"--interval: only align and dual take a checkpoint interval, not {args.policy}")
+    takes_interval = sorted(n for n, cls in POLICIES.items() if "interval" in inspect.signature(cls).parameters)
+    if args.interval is not None and args.policy not in takes_interval:
+        parser.error(f"--interval: only {', '.join(takes_interval)} take a checkpoint interval, not {args.policy}")
     if args.capacity_tokens is not None and args.capacity_tokens < args.block_size:
         parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one block "
                      f"(--block-size={args.block_size})")
