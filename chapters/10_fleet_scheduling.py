@@ -291,8 +291,6 @@ fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=
 fig.subplots_adjust(wspace=0.3)
 plots.save(fig, "ch10-routers-vs-rate")
 plt.show()
-
-# %%
 pa, sa, lw, co, ap = (sweep[r, 14].summary() for r in ("prefix-affinity", "state-aware", "least-work", "cost",
                                                       "approximate"))
 print(f"at 14x: TTFT p99 least-work {lw['ttft_p99_s']:.2f} s, prefix affinity {pa['ttft_p99_s']:.2f} s, "
