@@ -38,3 +38,20 @@ def test_every_input_is_marked():
     status = {r["name"]: r["status"] for r in rows}
     assert status["GEMM efficiency"] == "fitted" and status["replay efficiency"] == "assumed"
     assert status["link latency"] == "fitted" and all(r["source"] for r in rows)
+
+
+def test_calibration_variants_move_one_fitted_number_each_way():
+    dep = costs.DEFAULT_DEPLOYMENT
+    variants = costs.calibration_variants(dep, 0.155)
+    assert len(variants) == 10 and len({v.name for v in variants}) == 10
+    for v in variants:
+        moved = [f for f in ("gemm", "attention", "kda", "bandwidth", "layer_overhead_s")
+                 if getattr(v.kernels, f) != getattr(dep.kernels, f)]
+        assert len(moved) == 1
+        ratio = getattr(v.kernels, moved[0]) / getattr(dep.kernels, moved[0])
+        assert ratio == pytest.approx(math.exp(0.155)) or ratio == pytest.approx(math.exp(-0.155)) \
+            or getattr(v.kernels, moved[0]) == 1.0
+        assert v.kernels.replay == dep.kernels.replay and v.device == dep.device
+    assert costs.calibration_variants(dep, 0.0)[0].kernels == dep.kernels
+    with pytest.raises(ValueError, match="log_error"):
+        costs.calibration_variants(dep, -1)

@@ -38,7 +38,7 @@ from kimilab.costs.hardware import (
     CPU, H20, H200, H800, INFINIBAND_NDR, LOOPBACK, NVLINK_H100, Accelerator, Link, WeightModel, estimate_params,
     mixer_params, weight_model,
 )
-from kimilab.costs.inputs import inputs
+from kimilab.costs.inputs import FIT_LOG_ERROR, calibration_variants, inputs
 from kimilab.costs.memory import cache_budget_bytes, capacity_tokens, max_batch
 from kimilab.costs.parallel import (
     check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
@@ -65,7 +65,7 @@ __all__ = [
     "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes", "request_bytes",
     "request_total_bytes", "crossover_tokens", "cache_anatomy", "CacheShapes",
     # memory, and what every number rests on
-    "cache_budget_bytes", "capacity_tokens", "max_batch", "inputs",
+    "cache_budget_bytes", "capacity_tokens", "max_batch", "inputs", "calibration_variants", "FIT_LOG_ERROR",
     # FLOPs
     "linear_flops_per_token", "prefill_flops", "attention_prefill_flops", "kda_prefill_flops", "mixer_prefill_flops",
     "decode_flops_per_token", "attention_decode_flops", "kda_decode_flops", "mixer_decode_flops", "CacheCosts",

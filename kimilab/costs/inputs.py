@@ -6,17 +6,23 @@ Chapter 12's verdicts print this table beside them: a crossover that moves when 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from kimilab.costs.deployment import Deployment
 
-__all__ = ["STATUSES", "inputs"]
+__all__ = ["STATUSES", "FIT_LOG_ERROR", "inputs", "calibration_variants"]
 
 STATUSES = ("sourced", "fitted", "assumed")
+# the rms log error of the fit to the Kimi Linear report's Figure 7 (chapter 3 prints it)
+FIT_LOG_ERROR = 0.155
+_FITTED = ("gemm", "attention", "kda", "bandwidth", "layer_overhead_s")
 
 
 def inputs(deployment: Deployment) -> list[dict]:
     """One row per input of ``deployment``'s numbers: name, value, unit, status, source."""
     dev, k, link = deployment.device, deployment.kernels, deployment.link
-    fit = "fitted to the Kimi Linear report's Figure 7 (chapter 3; rms log error 0.155)"
+    fit = f"fitted to the Kimi Linear report's Figure 7 (chapter 3; rms log error {FIT_LOG_ERROR})"
     rows = [
         ("devices", deployment.n_devices, "", "sourced", deployment.source or "the deployment's definition"),
         ("attention split", deployment.attention, "", "sourced", deployment.source or "the deployment's definition"),
@@ -41,3 +47,18 @@ def inputs(deployment: Deployment) -> list[dict]:
         ("expert routing", "uniform", "", "assumed", "each token picks its experts independently and uniformly"),
     ]
     return [{"name": n, "value": v, "unit": u, "status": s, "source": src} for n, v, u, s, src in rows]
+
+
+def calibration_variants(deployment: Deployment, log_error: float = FIT_LOG_ERROR) -> list[Deployment]:
+    """``deployment`` with each fitted kernel number moved by one rms log error, up and down (one at a
+    time; an efficiency is capped at the peak): the inputs a verdict's band is taken over."""
+    if not 0.0 <= log_error < 5.0:
+        raise ValueError(f"log_error={log_error!r}: expected a log-scale error in [0, 5)")
+    out = []
+    for name in _FITTED:
+        for sign in (+1, -1):
+            value = getattr(deployment.kernels, name) * math.exp(sign * log_error)
+            value = value if name == "layer_overhead_s" else min(value, 1.0)
+            kernels = dataclasses.replace(deployment.kernels, **{name: value})
+            out.append(deployment.with_(name=f"{deployment.name} ({name} x e^{sign * log_error:+g})", kernels=kernels))
+    return out
