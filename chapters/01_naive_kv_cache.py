@@ -434,12 +434,13 @@ print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cach
 # answer (the student edition, `make student`, leaves it empty for you), and
 # `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
 #
-# **1.1 MHA instead of GQA.** If `gqa_8b` gave every one of its 32 query heads its own
-# K and V head (plain multi-head attention), how many bytes per token would its KV
-# cache take? Compute it by hand (layers × 2 × KV heads × head dim × bytes).
+# **1.1 A deeper model without GQA.** Take `gqa_8b`, deepen it from 32 to 48 layers,
+# and give every one of its 32 query heads its own K and V head (plain multi-head
+# attention). How many bytes per token would its KV cache take? Compute it by hand
+# (layers × 2 × KV heads × head dim × bytes).
 
 # %% tags=["solution"]
-answer = 32 * 2 * 32 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 bytes: 4x GQA's 8 KV heads
+answer = 48 * 2 * 32 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16 bytes: 4x GQA's 8 KV heads, 1.5x the layers
 
 # %%
 verify("1.1", answer)

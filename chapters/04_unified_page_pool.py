@@ -356,7 +356,7 @@ for name, s in shapes.items():
 # 480-token blocks, 3.65 MiB (24.7%) for a 100-token request and 1.3% at 32,768 tokens.
 # The unified pool and Jenga waste well under 3% at 48B scale. (For `tiny` the default unified page, one 16-token block = 32 KiB, is
 # larger than a 9 KiB conv state, so tiny's unified waste is high; the 4 KiB arena above
-# avoids that — exercise 4 is about page size.) Split
+# avoids that — exercise 4.7 is about page size.) Split
 # pools waste nothing per request — their cost is elsewhere: memory stranded in the
 # pool that is not the bottleneck. Jenga's cost is elsewhere too: large pages half used
 # by one kind are unusable by the other. Only serving a workload shows those.
@@ -622,8 +622,6 @@ ax.set_title(f"Four layouts on three deployments ({len(SEEDS)} seeds: mean, bars
 ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, -0.42), ncol=2)
 plots.save(fig, "ch04-layout-sweep")
 plt.show()
-
-# %%
 for dep in SWEEP_DEPS:
     mean = {name: over_seeds(dep, name, lambda r: r.summary()["mean_running"]).mean() for name in SWEEP_LAYOUTS}
     best_other = max((n for n in mean if n != "unified"), key=mean.get)
@@ -711,13 +709,13 @@ answer = (int(costs.cache_budget_bytes(kimi_linear_48b, DEP)) // page_bytes) // 
 verify("4.1", answer)
 
 # %% [markdown]
-# **4.2 vLLM at a coarser alignment.** The commit cited rounds the attention block to a
-# multiple of 16 tokens; later vLLM versions round MLA blocks to 64. What block size
-# (tokens) does vLLM's derivation give for Kimi-Linear-48B at 64-token alignment, on
-# one device of the TP4 recipe?
+# **4.2 Half the devices.** Serve Kimi-Linear-48B with the TP4 recipe's settings on
+# two devices instead of four (TP2). What block size (tokens) does vLLM's derivation
+# give on one of those devices, at the default 16-token alignment?
 
 # %% tags=["solution"]
-answer = costs.vllm_hybrid_pages(kimi_linear_48b, DEP, align_tokens=64).block_tokens
+tp2 = DEP.with_(name="vllm-tp2-h200", n_devices=2)  # every KDA head count per device doubles; MLA's latent does not split
+answer = costs.vllm_hybrid_pages(kimi_linear_48b, tp2).block_tokens
 
 # %%
 verify("4.2", answer)
@@ -734,15 +732,30 @@ answer = v16.page_bytes - v16.state_bytes
 verify("4.3", answer)
 
 # %% [markdown]
-# **4.4 (open)** Find the split ratio r that maximises the mean number of running
+# **4.4 Short chats.** Give the same TP4 device's whole cache budget first to the unified
+# pool and then to vLLM's padded layout (`VllmPaddedPages()`). How many more requests of
+# **300 tokens** each can be resident at once in the unified pool?
+
+# %% tags=["solution"]
+fits = {}
+for name, layout in (("unified", UnifiedPages()), ("vllm-padded", VllmPaddedPages())):
+    page = layout.page_bytes(s48)["main"]
+    fits[name] = (int(costs.cache_budget_bytes(kimi_linear_48b, DEP)) // page) // (layout.footprint(s48, 300).reserved_bytes // page)
+answer = fits["unified"] - fits["vllm-padded"]  # a 300-token chat still takes a whole 480-token block per MLA layer
+
+# %%
+verify("4.4", answer)
+
+# %% [markdown]
+# **4.5 (open)** Find the split ratio r that maximises the mean number of running
 # requests on this workload (try `np.linspace(0.05, 0.5, 7)`). Then make the workload
 # short chats only (`chat_prompt_median=700`, `doc_rate_per_s=0`, and a rate that fills
 # the device) and search again. How far apart are the two best
 # ratios, and how close does each get to the unified pool?
 #
-# **4.5 (open)** Run `VllmPaddedPages(align_tokens=...)` with 1, 16 and 64 and compare
+# **4.6 (open)** Run `VllmPaddedPages(align_tokens=...)` with 1, 16 and 64 and compare
 # the padding per 100-token request. Why can alignment not remove the padding, and which
 # part of it does no alignment touch?
 #
-# **4.6 (open)** Give the unified pool larger pages (`UnifiedPages(page_bytes=...)`, e.g.
+# **4.7 (open)** Give the unified pool larger pages (`UnifiedPages(page_bytes=...)`, e.g.
 # one 2,174,976-byte vLLM page). Which kind of request loses, and by how much?

@@ -644,26 +644,47 @@ answer = costs.kv_bytes_per_token(CFG, DEP) * 1e6 / 1e9
 verify("5.2", answer)
 
 # %% [markdown]
-# **5.3 The real ceiling.** What token-weighted hit rate would an *infinite* block cache
-# reach on the whole real Mooncake trace (512-token blocks)?
+# **5.3 Forgetting after five minutes.** Keep the infinite cache, but drop a block once
+# it has gone five minutes (300 s of the trace's arrival times) without being used. What
+# token-weighted hit rate does it reach on the whole real Mooncake trace (512-token
+# blocks)? Compare it with the `reuse` ceiling in the statistics table: how much of the
+# real trace's reuse comes back within five minutes?
 
 # %% tags=["solution"]
-answer = wl.reuse_upper_bound(traces["mooncake"], 512)
+last_used, hit, total = {}, 0, 0
+for r in traces["mooncake"]:
+    for h, n in zip(r.hash_ids, r.block_lengths(512)):
+        hit += int(n) if h in last_used and r.arrival_ms - last_used[h] <= 300_000 else 0
+        total += int(n)
+    last_used.update(dict.fromkeys(r.hash_ids, r.arrival_ms))
+answer = hit / total
 
 # %%
 verify("5.3", answer)
 
 # %% [markdown]
-# **5.4 (open) Capacity and concurrency.** The agent sessions' start times are ours.
+# **5.4 The tail no block cache holds.** A whole-block cache never stores the tokens after
+# a prompt's last full block. What fraction of all prompt tokens of the real Mooncake
+# trace sit in such partial last blocks (512-token blocks)?
+
+# %% tags=["solution"]
+lengths = np.array([r.input_length for r in traces["mooncake"]])
+answer = float((lengths % 512).sum() / lengths.sum())
+
+# %%
+verify("5.4", answer)
+
+# %% [markdown]
+# **5.5 (open) Capacity and concurrency.** The agent sessions' start times are ours.
 # Rebuild `traces["claude-code"]` with `wl.agent_requests(..., sessions_per_s)` at 0.01
 # and 0.2 sessions per second and replay each at 4,096 and 65,536 blocks. Why does the
 # rate move the hit rate of a small cache and hardly that of a large one?
 #
-# **5.5 (open) Full hour.** Replay all 12,044 requests of the generated
+# **5.6 (open) Full hour.** Replay all 12,044 requests of the generated
 # conversation-like trace at 4,096 blocks (a few seconds). Is the hit rate close to the
 # 10-minute window's? Why might a window of a trace show a *higher* hit rate at equal
 # capacity, or a lower one? Then replay the first 10 minutes of the real trace the same way.
 #
-# **5.6 (open) Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
+# **5.7 (open) Fewer turns.** Generate `wl.mooncake_conversation_like(seed=0, mean_turns=1.5)`
 # and compute `wl.reuse_upper_bound`. How many turns per conversation would make the
 # ceiling about 40%?

@@ -12,9 +12,9 @@
   wrong) and ``all_exercises()`` is empty: there is nothing to call.
 * Hints name concepts, never a call.
 
-``KNOWN_LEAKS`` lists the places where chapter prose or package docs still state an
-answer (the chapters are being rewritten under issue 27); an entry that stops leaking
-fails the test too, so the list only shrinks.
+``KNOWN_LEAKS`` would list places where chapter prose or package docs state an answer
+and that are tolerated for a while; it is empty, and an entry that stops leaking fails
+the test too, so it can only shrink.
 """
 
 from __future__ import annotations
@@ -35,14 +35,7 @@ from kimilab.exercises import all_exercises
 
 ROOT = Path(__file__).resolve().parent.parent
 # (exercise, file in the bundle) -> why it is tolerated for now
-KNOWN_LEAKS = {
-    ("12.1", "chapters/03_hybrid_model.ipynb"): "chapter 3's prose states the memory crossover",
-    ("12.1", "chapters/12_opposition.ipynb"): "chapter 12's takeaway states the memory crossover",
-    ("4.2", "chapters/04_unified_page_pool.ipynb"): "chapter 4's prose states the 64-aligned block",
-    ("4.2", "kimilab/costs/vllm_pages.py"): "the module docstring states the 64-aligned block",
-    ("5.3", "chapters/05_prefix_caching.ipynb"): "chapter 5's prose states the real trace's ceiling",
-    ("5.3", "data/README.md"): "the data README's statistics table states the real trace's ceiling",
-}
+KNOWN_LEAKS: dict[tuple[str, str], str] = {}
 # answers that cannot be searched for: they are common constants of the book
 COMMON = {"4.3": "4096 is also the page size of every demo pool; the answer is a guessable power of two"}
 
@@ -164,3 +157,20 @@ def test_hints_are_tiered_and_never_the_solving_call():
         for hint in ex.hints:
             assert not _CALL.search(hint), f"{id}: the hint {hint!r} shows a call"
             assert not [n for n in names if n in hint], f"{id}: the hint {hint!r} names a kimilab function"
+
+
+CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_asks_for_a_quantity_no_cell_prints(path):
+    """At least one checked exercise's answer is in no output of the teacher's notebook (its verdict aside)."""
+    nb = nbformat.read(path, as_version=4)
+    outputs = "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+                        for cell in nb.cells if cell.cell_type == "code" and "verify(" not in cell.source
+                        for o in cell.get("outputs", []))
+    chapter = str(int(path.name[:2]))
+    exercises = {id: ex for id, ex in all_exercises().items() if id.split(".")[0] == chapter}
+    unprinted = [id for id, ex in exercises.items() if written_forms(ex.expected())
+                 and not _pattern(written_forms(ex.expected())).search(outputs)]
+    assert unprinted, f"{path.name}: every checked answer is printed by some cell: {sorted(exercises)}"

@@ -1,6 +1,6 @@
 """The classroom edition: checked exercises in every chapter, the student notebooks built from them, grading.
 
-Fast checks (in ``make test``): every chapter has at least three checked exercises,
+Fast checks (in ``make test``): every chapter has at least four checked exercises,
 each a solution cell, a ``verify`` cell and a registered checker; the teacher's stored
 outputs say "correct" for every one (nbval re-executes them, so pasting the solution
 back passes its checker); the student edition keeps no solution and no output, and has
@@ -35,11 +35,11 @@ def _stored_output(cell) -> str:
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
-def test_every_chapter_has_three_checked_exercises_that_pass(path):
+def test_every_chapter_has_four_checked_exercises_that_pass(path):
     nb = nbformat.read(path, as_version=4)
     ids = [ex for _, ex in classroom.exercise_ids(nb)]
     chapter = str(int(path.name[:2]))
-    assert len(ids) >= 3, f"{path.name}: {len(ids)} checked exercises, expected at least 3"
+    assert len(ids) >= 4, f"{path.name}: {len(ids)} checked exercises, expected at least 4"
     assert len(set(ids)) == len(ids) and all(ex.split(".")[0] == chapter for ex in ids), ids
     registered = all_exercises()
     assert set(ids) <= set(registered), f"{path.name}: no checker for {sorted(set(ids) - set(registered))}"

@@ -5,11 +5,11 @@ from kimilab.config import all_mla_27, gqa_8b
 from kimilab.exercises import exercise
 
 
-@exercise("1.1", "MHA bytes per token",
+@exercise("1.1", "48-layer MHA bytes per token",
           hint=("A KV cache stores one key and one value vector per KV head, per layer, per token.",
                 "Without GQA every query head has its own KV head; bf16 is 2 bytes a number."))
 def _():
-    return costs.kv_bytes_per_token(gqa_8b.with_(attn_kind="mha", attn_kv_heads=32), costs.ONE_H200)
+    return costs.kv_bytes_per_token(gqa_8b.with_(attn_kind="mha", attn_kv_heads=32, layer_pattern="A" * 48), costs.ONE_H200)
 
 
 @exercise("1.2", "GQA cache of a 32k-token request",
