@@ -109,6 +109,9 @@ METHODS: dict[str, tuple[str, str]] = {
     "none": ("no prefix reuse", "#999999"),
     "all-mla-fp8": ("all-MLA, fp8 KV", "#D55E00"),
     "tpot-p99": ("TPOT p99", "#0072B2"),
+    # chapter 12: the opposition
+    "chunk-ends": ("chunk ends (vLLM align)", "#56B4E9"),
+    "softmax-recall": ("KV cache + softmax (a global layer)", "#0072B2"),
 }
 
 _FALLBACK = ["#000000", "#56B4E9", "#E69F00", "#009E73", "#0072B2", "#D55E00", "#CC79A7"]
