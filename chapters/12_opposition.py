@@ -856,8 +856,8 @@ print(f"quality: a {128} x {128} KDA state gives back half of N pairs up to {cap
 #   194; the delta rule trades capacity for the ability to rebind a key, and a KV cache
 #   keeps everything. The hybrid relies on its global layers for the rest. The Kimi
 #   Linear report's long-context scores beat MLA on five of eight tasks (+2.3 on
-#   average) at one scale and 128k tokens; training MQAR models here would take hundreds
-#   of hours, so we report none.
+#   average) at one scale and 128k tokens. Training MQAR models to the report's protocol
+#   here would take hundreds of hours (measured), so we report no trained capacity.
 # - **The hybrid** is a net loss below 472 tokens (memory) and 942 (decode step) under
 #   TP4, and below 1,885 and 3,768-102,817 with whole requests per device.
 # - **The unified pool** beats vLLM's equal pages only once a state spans several pages;
