@@ -31,6 +31,8 @@ points add, ``dual`` - ``ends+branch`` what ``alpha`` adds (``dual`` with
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -135,6 +137,8 @@ class EveryBlock(Policy):
     name = "every-block"
 
     def positions(self, p: Placement) -> list[int]:
+        if isinstance(p.ends, range) and p.ends.step > 0:  # sorted: skip the covered ends in O(log n)
+            return list(range(bisect.bisect_right(p.ends, p.usable_end), len(p.ends)))
         return [i for i, end in enumerate(p.ends) if end > p.usable_end]
 
 

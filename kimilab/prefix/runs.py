@@ -211,9 +211,13 @@ class RunPrefixCache(RunEviction):
             for run in reversed(path):
                 if run.lo > bound:
                     continue
-                found = [d for d in run.checkpoints if d <= bound]
-                if found:
-                    usable_ck = run.checkpoints[max(found)]
+                cks, top = run.checkpoints, min(bound, run.hi)
+                if 4 * len(cks) >= top - run.lo + 1:  # dense (every-block): walk down from the bound
+                    best = next((d for d in range(top, run.lo - 1, -1) if d in cks), None)
+                else:
+                    best = max((d for d in cks if d <= bound), default=None)
+                if best is not None:
+                    usable_ck = cks[best]
                     usable = usable_ck.depth * block
                     break
             j = matched - 1
