@@ -221,6 +221,13 @@ print(f"first wrong token at position {first_wrong}; {sum(a != b for a, b in zip
 # position. Our verify is the chunked kernel, which only yields the last state, so
 # `save` recomputes the per-position states from the committed state and the inputs the
 # verify captured — the same arithmetic as decoding.
+#
+# Two strategies of this book fill scratch slots at every verify and free them after
+# the rollback: snapshots here, replay records in chapter 8. What they share is one
+# class; each says only what a slot holds (`_layout`, `_arrays`) and how it restores.
+
+# %%
+show_source(spec.StepSlotsRollback)
 
 # %%
 show_source(spec.SnapshotRollback)

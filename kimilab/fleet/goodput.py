@@ -197,9 +197,9 @@ def max_rate_scale(run, slo: SLO, *, start: float = 1.0, rel_tol: float = 0.05, 
     return scale, best.get(scale), tried
 
 
-def min_instances(run, slo: SLO, *, start: int = 1, limit: int = 1024):
-    """(fewest instances n with ``run(n)`` meeting ``slo``, its result, every (n, passed) tried)."""
-    start = check_int("start", start, 1)
+def _recorded(run, slo: SLO):
+    """(a test ``passes(n)`` that runs ``run(n)`` against ``slo``, the (n, passed) list it fills, and
+    the results of the n that passed)."""
     tried, results = [], {}
 
     def passes(n):
@@ -209,6 +209,14 @@ def min_instances(run, slo: SLO, *, start: int = 1, limit: int = 1024):
         if ok:
             results[n] = result
         return ok
+
+    return passes, tried, results
+
+
+def min_instances(run, slo: SLO, *, start: int = 1, limit: int = 1024):
+    """(fewest instances n with ``run(n)`` meeting ``slo``, its result, every (n, passed) tried)."""
+    start = check_int("start", start, 1)
+    passes, tried, results = _recorded(run, slo)
 
     lo, hi = 0, start  # lo fails (or is 0), hi is the candidate
     while not passes(hi):
@@ -228,15 +236,7 @@ def max_sessions(run, slo: SLO, *, start: int = 8, limit: int = 4096, rel_tol: f
     """(most concurrent sessions n with ``run(n)`` meeting ``slo``, its result, every (n, passed) tried);
     the bisection stops once the bracket is within ``rel_tol`` of its low end (0: exact)."""
     start = check_int("start", start, 1)
-    tried, results = [], {}
-
-    def passes(n):
-        result = run(n)
-        ok = meets(result, slo)
-        tried.append((n, ok))
-        if ok:
-            results[n] = result
-        return ok
+    passes, tried, results = _recorded(run, slo)
 
     lo, hi = 0, start  # lo passes (or is 0), hi fails
     while passes(hi):

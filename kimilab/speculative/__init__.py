@@ -8,7 +8,8 @@ One concept per module, in the order the chapters build them:
 * ``tree_kda``     KDA over a tree: the chunked form with an ancestor mask, its twin, the fold
 * ``tree_verify``  verify_tree: a token tree through the model in one pass
 * ``scratch``      SlotLayout, ScratchSlots: typed slots on a pool's scratch pages
-* ``rollback``     Rollback interface, TrimOnly (the broken trim), SnapshotRollback (SGLang's copy-back)
+* ``rollback``     Rollback interface, TrimOnly (the broken trim), StepSlotsRollback (scratch slots per
+                   verify), SnapshotRollback (SGLang's copy-back)
 * ``slots``        SlotRollback (vLLM's slot selection: nothing copied back)
 * ``replay``       ReplayRollback (projection replay), RingRollback (the ring buffer), ConvRing
 * ``lazy``         LazyRingRollback (ReplaySSM: a lazy checkpoint, a ring of updates, a cursor)
@@ -24,7 +25,9 @@ from kimilab.speculative.loop import (
 )
 from kimilab.speculative.measure import rollback_timings
 from kimilab.speculative.replay import ConvRing, ReplayRollback, RingRollback
-from kimilab.speculative.rollback import Rollback, SnapshotRollback, StateView, TrimOnly, checkpoint_at
+from kimilab.speculative.rollback import (
+    Rollback, SnapshotRollback, StateView, StepSlotsRollback, TrimOnly, checkpoint_at,
+)
 from kimilab.speculative.sampling import accept_sampled, speculative_sample
 from kimilab.speculative.scratch import ScratchSlots, SlotLayout, checkpoint_layout, conv_row_layout, record_layout
 from kimilab.speculative.slots import SlotRollback
@@ -39,7 +42,7 @@ __all__ = [
     "VerifyView", "verify", "greedy_accept", "state_steps", "conv_after",
     "tree_kda", "tree_kda_recurrent", "node_states", "fold", "tree_attention", "verify_tree",
     "SlotLayout", "ScratchSlots", "checkpoint_layout", "record_layout", "conv_row_layout",
-    "Rollback", "TrimOnly", "SnapshotRollback", "SlotRollback", "ReplayRollback", "RingRollback", "ConvRing",
+    "Rollback", "StepSlotsRollback", "TrimOnly", "SnapshotRollback", "SlotRollback", "ReplayRollback", "RingRollback", "ConvRing",
     "LazyRingRollback", "entry_layout", "DEFAULT_RING", "StateView", "checkpoint_at",
     "ROLLBACKS", "EXACT_ROLLBACKS", "StepStats", "SpecResult", "make_rollback", "speculative_generate",
     "rollback_timings", "accept_sampled", "speculative_sample",

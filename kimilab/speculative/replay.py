@@ -26,7 +26,7 @@ import numpy as np
 from kimilab.config import ModelConfig
 from kimilab.model import CacheProtocol
 from kimilab.pool import PagePool
-from kimilab.speculative.rollback import Rollback
+from kimilab.speculative.rollback import Rollback, StepSlotsRollback
 from kimilab.speculative.scratch import ScratchSlots, conv_row_layout, record_layout
 from kimilab.speculative.verify import VerifyView, conv_after, state_steps
 from kimilab.validate import check_int
@@ -90,30 +90,16 @@ class ConvRing:
         return {i: rows["conv", i] for i in self.config.kda_layers}
 
 
-class ReplayRollback(Rollback):
+class ReplayRollback(StepSlotsRollback):
     """Committed state + one record per verified position (scratch pages, freed every step)."""
 
     name = "replay"
 
-    def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *, max_nodes=None) -> None:
-        super().__init__(config, pool, k, owner, max_nodes=max_nodes)
-        self.layout = record_layout(config, with_conv=True)
-        self._slots: ScratchSlots | None = None
+    def _layout(self, config: ModelConfig):
+        return record_layout(config, with_conv=True)
 
-    def scratch_pages(self, page_bytes: int) -> int:
-        return self.max_nodes * -(-self.layout.nbytes // page_bytes)
-
-    @property
-    def held_bytes(self) -> int:
-        return 0 if self._slots is None else self._slots.nbytes
-
-    def _live_slots(self) -> list:
-        return [self._slots]
-
-    def _save(self, view: VerifyView, captures: dict) -> None:
-        n = self._n
-        self._slots = ScratchSlots(self.pool, self.layout, n, owner=self.owner)
-        self._slots.write(np.arange(n), self.layout.pack(_records(self.config, captures, True), n))
+    def _arrays(self, view: VerifyView, captures: dict) -> dict:
+        return _records(self.config, captures, True)
 
     def _restore(self, cache: CacheProtocol, path: list[int]) -> None:
         rec = self.layout.unpack(self._slots.read(path))
@@ -122,10 +108,6 @@ class ReplayRollback(Rollback):
         convs = {i: conv_after(cache.conv_state(i), rec["conv", i], len(path)) for i in self.config.kda_layers}
         self._set(cache, path, states, convs)
         self.close()
-
-    def close(self) -> None:
-        self._free_slots(self._slots)
-        self._slots = None
 
 
 class RingRollback(Rollback):

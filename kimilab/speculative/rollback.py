@@ -38,10 +38,10 @@ from kimilab.pool import PagePool
 from kimilab.speculative.scratch import ScratchSlots, checkpoint_layout
 from kimilab.speculative.tree import Window
 from kimilab.speculative.tree_kda import node_states
-from kimilab.speculative.verify import VerifyView
+from kimilab.speculative.verify import KVDelegate, VerifyView
 from kimilab.validate import check_int
 
-__all__ = ["Rollback", "TrimOnly", "SnapshotRollback", "StateView", "checkpoint_at", "node_convs", "snapshot_arrays"]
+__all__ = ["Rollback", "StepSlotsRollback", "TrimOnly", "SnapshotRollback", "StateView", "checkpoint_at", "node_convs", "snapshot_arrays"]
 
 
 def checkpoint_at(config: ModelConfig, seq_len: int, states: dict, convs: dict) -> StateCheckpoint:
@@ -77,15 +77,14 @@ def snapshot_arrays(config: ModelConfig, committed: CacheProtocol, captures: dic
     return arrays
 
 
-class StateView(CacheProtocol):
+class StateView(KVDelegate):
     """A request's cache with its KDA and conv states read from elsewhere (``states``, ``convs``):
     what a strategy that leaves the committed state outside the request's own slot shows
     the model. KV reads, appends and ``advance`` go to the cache; states cannot be set."""
 
     def __init__(self, cache: CacheProtocol, states: dict, convs: dict) -> None:
-        super().__init__(cache.config)
-        self.base, self._states, self._convs = cache, states, convs
-        self._seq_len = cache.seq_len
+        super().__init__(cache)
+        self._states, self._convs = states, convs
 
     def kda_state(self, i: int) -> np.ndarray:
         return self._states[self._layer(i, "kda_state")]
@@ -97,19 +96,6 @@ class StateView(CacheProtocol):
         raise TypeError("StateView is read-only: the strategy owns the states")
 
     set_conv_state = set_kda_state
-
-    def append_kv(self, i: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.base.append_kv(i, k, v)
-
-    def kv(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.base.kv(i)
-
-    def advance(self, n: int) -> None:
-        self.base.advance(n)
-        self._seq_len = self.base.seq_len
-
-    def _kv_length(self, i: int) -> int:
-        return int(self.base.kv(i)[0].shape[0])
 
     def _drop_kv_after(self, n: int) -> None:
         raise TypeError("StateView cannot truncate: roll back the request's cache")
@@ -289,23 +275,21 @@ class TrimOnly(Rollback):
         cache.truncate(n, self._view.verified_checkpoint(n))
 
 
-class SnapshotRollback(Rollback):
-    """SGLang's copy-back: every KDA and conv state after each verified position, in scratch;
-    the accepted one copied back into the request's state.
-
-    A GPU verify kernel writes these states as it passes each position (SGLang's
-    ``intermediate_state_cache``; on a tree, each node from its parent's state). Our verify
-    is the chunked (output-only) kernel, so ``save`` recomputes them node by node from the
-    committed state and the captured inputs -- the same arithmetic as decoding. Per step
-    it moves n + 2 states: n written, one read and one written back.
-    """
-
-    name = "snapshot"
+class StepSlotsRollback(Rollback):
+    """A strategy that fills one scratch slot per verified position at every ``save`` and frees
+    them after ``restore``. What a slot holds is the subclass's: its ``_layout`` and the
+    ``_arrays`` it packs from a verify (snapshots hold states, replay holds records)."""
 
     def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *, max_nodes=None) -> None:
         super().__init__(config, pool, k, owner, max_nodes=max_nodes)
-        self.layout = checkpoint_layout(config)
+        self.layout = self._layout(config)
         self._slots: ScratchSlots | None = None
+
+    @abstractmethod
+    def _layout(self, config: ModelConfig): ...
+
+    @abstractmethod
+    def _arrays(self, view: VerifyView, captures: dict) -> dict: ...
 
     def scratch_pages(self, page_bytes: int) -> int:
         return self.max_nodes * -(-self.layout.nbytes // page_bytes)
@@ -320,15 +304,34 @@ class SnapshotRollback(Rollback):
     def _save(self, view: VerifyView, captures: dict) -> None:
         n = self._n
         self._slots = ScratchSlots(self.pool, self.layout, n, owner=self.owner)
-        self._slots.write(np.arange(n), self.layout.pack(snapshot_arrays(self.config, view.base, captures,
-                                                                         self._window), n))
+        self._slots.write(np.arange(n), self.layout.pack(self._arrays(view, captures), n))
+
+    def close(self) -> None:
+        self._free_slots(self._slots)
+        self._slots = None
+
+
+class SnapshotRollback(StepSlotsRollback):
+    """SGLang's copy-back: every KDA and conv state after each verified position, in scratch;
+    the accepted one copied back into the request's state.
+
+    A GPU verify kernel writes these states as it passes each position (SGLang's
+    ``intermediate_state_cache``; on a tree, each node from its parent's state). Our verify
+    is the chunked (output-only) kernel, so ``save`` recomputes them node by node from the
+    committed state and the captured inputs -- the same arithmetic as decoding. Per step
+    it moves n + 2 states: n written, one read and one written back.
+    """
+
+    name = "snapshot"
+
+    def _layout(self, config: ModelConfig):
+        return checkpoint_layout(config)
+
+    def _arrays(self, view: VerifyView, captures: dict) -> dict:
+        return snapshot_arrays(self.config, view.base, captures, self._window)
 
     def _restore(self, cache: CacheProtocol, path: list[int]) -> None:
         chosen = self.layout.unpack(self._slots.read(path[-1]))
         self._set(cache, path, {i: chosen["state", i][0] for i in self.config.kda_layers},
                   {i: chosen["conv", i][0] for i in self.config.kda_layers})
         self.close()
-
-    def close(self) -> None:
-        self._free_slots(self._slots)
-        self._slots = None

@@ -16,10 +16,33 @@ import numpy as np
 
 from kimilab.model import CacheProtocol, Model, StateCheckpoint
 
-__all__ = ["VerifyView", "verify", "greedy_accept", "state_steps", "conv_after"]
+__all__ = ["KVDelegate", "VerifyView", "verify", "greedy_accept", "state_steps", "conv_after"]
 
 
-class VerifyView(CacheProtocol):
+class KVDelegate(CacheProtocol):
+    """A view of a request's cache (``base``) whose KV reads, appends and ``advance`` go to the
+    request; where its states come from is the subclass's."""
+
+    def __init__(self, cache: CacheProtocol) -> None:
+        super().__init__(cache.config)
+        self.base = cache
+        self._seq_len = cache.seq_len
+
+    def append_kv(self, i: int, k: np.ndarray, v: np.ndarray) -> None:
+        self.base.append_kv(i, k, v)
+
+    def kv(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.base.kv(i)
+
+    def advance(self, n: int) -> None:
+        self.base.advance(n)
+        self._seq_len = self.base.seq_len
+
+    def _kv_length(self, i: int) -> int:
+        return int(self.base.kv(i)[0].shape[0])
+
+
+class VerifyView(KVDelegate):
     """A request's cache as a verify pass sees it: KV is the request's, new states are the view's.
 
     Reads of a state return the view's copy if the verify wrote one, else the request's
@@ -30,10 +53,8 @@ class VerifyView(CacheProtocol):
     def __init__(self, cache: CacheProtocol) -> None:
         if not isinstance(cache, CacheProtocol) or isinstance(cache, VerifyView):
             raise ValueError(f"cache: expected a request's CacheProtocol, got {type(cache).__name__}")
-        super().__init__(cache.config)
-        self.base = cache
+        super().__init__(cache)
         self.committed = cache.seq_len  # the position the request's states stand at
-        self._seq_len = cache.seq_len
         self._kda: dict[int, np.ndarray] = {}
         self._conv: dict[int, np.ndarray] = {}
 
@@ -52,19 +73,6 @@ class VerifyView(CacheProtocol):
     def set_conv_state(self, i: int, conv: np.ndarray) -> None:
         i, conv = self._checked_state(i, conv, "conv_state")
         self._conv[i] = np.array(conv, dtype=self.dtype, copy=True)
-
-    def append_kv(self, i: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.base.append_kv(i, k, v)
-
-    def kv(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.base.kv(i)
-
-    def advance(self, n: int) -> None:
-        self.base.advance(n)
-        self._seq_len = self.base.seq_len
-
-    def _kv_length(self, i: int) -> int:
-        return int(self.base.kv(i)[0].shape[0])
 
     def _drop_kv_after(self, n: int) -> None:
         raise TypeError("VerifyView cannot truncate: roll back the request's cache (view.base)")
