@@ -817,7 +817,7 @@ print(f"at the real chat median ({med:,} tokens): " + ", ".join(f"{n} {v:+.1f} M
                                                                 for n, v in per_req.items()))
 
 # %% [markdown]
-# The bill is paid once, in code -- about 1,870 lines more than a transformer's stack in
+# The bill is paid once, in code -- about 1,850 lines more than a transformer's stack in
 # this book -- and every request then pays for it in a fixed state. What it buys is large
 # where contexts are long: 3.83 times the requests per device at 128k tokens, and 148.3
 # MB per request per TP4 device at the real chat median. It falls short for a service of
@@ -870,7 +870,7 @@ print(f"quality: a {128} x {128} KDA state gives back half of N pairs up to {cap
 #   few thousand tokens in a node, and far longer across nodes.
 # - **Prefix affinity** loses to least-work routing under skewed popularity;
 #   **isolation** costs the tenant it protects until the neighbour would swamp it.
-# - **The bill**, about 1,870 lines of serving code, buys 3.83 times the requests per
+# - **The bill**, about 1,850 lines of serving code, buys 3.83 times the requests per
 #   device at 128k tokens, and nothing for short chats under DP-attention.
 #
 # ## Exercises
