@@ -3,42 +3,24 @@
 import pytest
 from hypothesis import example, given, settings, strategies as st
 from fuzzing import examples
+from prefix_traffic import conversations, requests_from
 
 from kimilab import costs
 from kimilab.config import kimi_linear_48b
 from kimilab.costs import ONE_H200
 from kimilab.prefix import POLICIES, Ends, HybridPrefixCache, RunPrefixCache, make_policy
 from kimilab.sim import simulate
-from kimilab.traffic import MOONCAKE_CONVERSATION, Request, load_trace
+from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
 CFG = kimi_linear_48b
 BS = 512  # a checkpoint is 11 pages here, so small pools hold a few and must evict them
 
 
+TURNS = conversations(shorts=(0, 0, 1, BS - 1))  # a prompt may end anywhere in its last block
+
+
 def _requests(turns):
-    """Requests from little paths of choices; a block id names its whole prefix (as Mooncake's do)."""
-    out = []
-    for t, (path, short) in enumerate(turns):
-        ids = tuple(hash(tuple(path[: j + 1])) % 10**9 for j in range(len(path)))
-        out.append(Request(t, t, len(path) * BS - short, 1, hash_ids=ids))
-    return out
-
-
-@st.composite
-def conversations(draw):
-    """Prompts that branch, repeat, stop short and extend earlier ones (multi-turn), as real traffic does."""
-    turns = []
-    for _ in range(draw(st.integers(1, 40))):
-        if turns and draw(st.booleans()):
-            base = draw(st.sampled_from(turns))[0]
-            cut = draw(st.integers(0, len(base)))
-            path = base[:cut] + draw(st.lists(st.integers(0, 2), max_size=8))
-        else:
-            path = draw(st.lists(st.integers(0, 2), max_size=10))
-        if not path:
-            path = [0]
-        turns.append((path, draw(st.sampled_from([0, 0, 1, BS - 1]))))
-    return turns
+    return requests_from(turns, BS)
 
 
 POLICY_CHOICES = st.sampled_from(sorted(POLICIES) + ["align-2", "dual-50", "dual-interval", "deep-first"])
@@ -63,17 +45,26 @@ def _policy(choice):
     return make_policy(name, **kwargs)
 
 
-def _both(choice, capacity_tokens):
+def _both(choice, capacity_tokens, heap_slack=64):
+    """The twins; a small ``heap_slack`` compacts their checkpoint heaps often (forgetting pinned
+    checkpoints, which then queue again later), where the default rarely does on small traces."""
     kw = dict(deployment=ONE_H200, block_size=BS, capacity_tokens=capacity_tokens)
-    return HybridPrefixCache.for_budget(CFG, _policy(choice), **kw), RunPrefixCache(CFG, _policy(choice), **kw)
+    pair = HybridPrefixCache.for_budget(CFG, _policy(choice), **kw), RunPrefixCache(CFG, _policy(choice), **kw)
+    for cache in pair:
+        cache.HEAP_SLACK = heap_slack
+    return pair
+
+
+def test_the_twins_compact_their_heaps_by_one_rule():
+    assert HybridPrefixCache.HEAP_SLACK == RunPrefixCache.HEAP_SLACK
 
 
 @settings(max_examples=examples(150), deadline=None)
-@given(conversations(), st.integers(1, 90), POLICY_CHOICES)
+@given(TURNS, st.integers(1, 90), POLICY_CHOICES, st.sampled_from([64, 0, 2]))
 # a trimmed run whose next tail holds a checkpoint ranked by FLOPs must be compared again (make fuzz found it)
-@example(turns=[([0] * 8, 0)] + [([0], 0)] * 14, capacity_blocks=30, choice="dual-interval")
-def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice):
-    blocks, runs = _both(choice, capacity_blocks * BS)
+@example(turns=[([0] * 8, 0)] + [([0], 0)] * 14, capacity_blocks=30, choice="dual-interval", heap_slack=64)
+def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice, heap_slack):
+    blocks, runs = _both(choice, capacity_blocks * BS, heap_slack)
     for r in _requests(turns):
         assert runs.serve(r.hash_ids, r.input_length) == blocks.serve(r.hash_ids, r.input_length)
         assert (runs.kv_pages, runs.checkpoint_pages_used, runs.pages_admitted) == \
@@ -116,7 +107,7 @@ def test_bad_arguments_name_what_is_expected():
 
 
 @settings(max_examples=examples(40), deadline=None)
-@given(conversations(), st.sampled_from([512, 1024, 1888, 5000]))
+@given(TURNS, st.sampled_from([512, 1024, 1888, 5000]))
 def test_coarser_blocks_only_round_hits_down(turns, new_block):
     """Keyed at a larger block, a hit is whole large blocks and never more than the trace proves is shared."""
     from kimilab.traffic import coarser_blocks

@@ -84,6 +84,8 @@ class HybridPrefixCache:
     always leaves at least one prompt token to compute (its logits start decoding).
     """
 
+    HEAP_SLACK = 64  # the checkpoint heap is compacted past HEAP_SLACK + 4 x the checkpoints held
+
     def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs: CacheCosts, *,
                  partial_blocks: bool = False, allocs_per_node: int = 1):
         if not isinstance(policy, Policy):
@@ -150,7 +152,7 @@ class HybridPrefixCache:
         ck.serial = self._serial
         ck.priority = priority = self.policy.checkpoint_priority(self, ck.last_access, node.end)
         heapq.heappush(self._heap, (priority, self._serial, node))
-        if len(self._heap) > 64 + 4 * max(self.n_checkpoints, 1):
+        if len(self._heap) > self.HEAP_SLACK + 4 * max(self.n_checkpoints, 1):
             keep = []
             for entry in self._heap:
                 if self._valid(entry):

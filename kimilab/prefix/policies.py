@@ -136,9 +136,11 @@ class EveryBlock(Policy):
 
     name = "every-block"
 
-    def positions(self, p: Placement) -> list[int]:
+    def positions(self, p: Placement) -> Sequence[int]:
+        """Every end past the usable hit: a ``range`` when ``p.ends`` is one (the run tree then
+        admits the checkpoints run by run instead of position by position)."""
         if isinstance(p.ends, range) and p.ends.step > 0:  # sorted: skip the covered ends in O(log n)
-            return list(range(bisect.bisect_right(p.ends, p.usable_end), len(p.ends)))
+            return range(bisect.bisect_right(p.ends, p.usable_end), len(p.ends))
         return [i for i, end in enumerate(p.ends) if end > p.usable_end]
 
 

@@ -14,8 +14,22 @@ import heapq
 __all__ = ["RunEviction"]
 
 
+class _Batch:
+    """Checkpoints queued together, in order: one rank and increasing serials that no other entry
+    can fall between, so the heap holds them as one entry (key: rank, first serial) and hands
+    them out one by one from ``i`` -- as the block tree's heap would, one entry each."""
+
+    __slots__ = ("cks", "serials", "i")
+
+    def __init__(self, cks: list, serials):
+        self.cks, self.serials, self.i = cks, serials, 0
+
+
 class RunEviction:
     """Mixin: the heaps, the reclaim loop and the tail trimming of a run tree (see the module doc)."""
+
+    HEAP_SLACK = 64  # a heap is compacted past HEAP_SLACK + 4 x its live entries (HybridPrefixCache's rule)
+    BATCH = 4  # checkpoints of one rank queued together go in as one heap entry from this many on
 
     def _push_leaf(self, run: _Run) -> None:
         self._leaf_serial += 1
@@ -23,7 +37,7 @@ class RunEviction:
         run.priority = priority = self.policy.kv_priority(self, run.last_access, run.hi * self.block_size,
                                                           run.hi in run.checkpoints)
         heapq.heappush(self._leaf_heap, (priority, serial, run))
-        if len(self._leaf_heap) > 64 + 4 * self.n_runs:
+        if len(self._leaf_heap) > self.HEAP_SLACK + 4 * self.n_runs:
             self._leaf_heap = [e for e in self._leaf_heap if self._leaf_valid(e)]
             heapq.heapify(self._leaf_heap)
 
@@ -40,8 +54,7 @@ class RunEviction:
             heapq.heappop(heap)
         return None
 
-    def _ck_valid(self, entry) -> bool:
-        _, serial, ck = entry
+    def _ck_valid(self, ck, serial: int) -> bool:
         run = ck.run
         if run is None or ck.serial != serial or run.refcount:
             return False
@@ -51,11 +64,10 @@ class RunEviction:
                 return False
         return True
 
-    def _forget(self, entry) -> None:
+    def _forget(self, ck, serial: int) -> None:
         """An entry leaves the heap: if it was its checkpoint's only one, the checkpoint waits unqueued
         until a request's path passes its run again (``_finish`` requeues it)."""
-        ck = entry[2]
-        if ck.run is not None and ck.serial == entry[1]:
+        if ck.run is not None and ck.serial == serial:
             ck.serial = -1
             self._unqueued.add(ck)
 
@@ -63,39 +75,116 @@ class RunEviction:
         self._push_checkpoints((ck,))
 
     def _push_checkpoints(self, cks) -> None:
-        """Queue checkpoints in order, each with the next serial (one heap compaction check per push)."""
+        """Queue checkpoints in order, each with the next serial, as the block tree pushes them one by
+        one. An entry is ``(rank, serial, checkpoint)``, or, for a stretch of at least ``BATCH``
+        checkpoints of equal rank, ``(rank, first serial, _Batch)``. The heap is compacted exactly
+        where the block tree's would be: after the push that takes the number of queued
+        checkpoints past ``HEAP_SLACK + 4 * n_checkpoints``."""
+        n = len(cks)
+        if not n:
+            return
         policy, block = self.policy, self.block_size
-        lru = policy.lru_checkpoints  # then a checkpoint's rank is its last use
-        limit = 64 + 4 * max(self.n_checkpoints, 1)
-        push = heapq.heappush
-        for ck in cks:
-            self._serial += 1
-            ck.serial = serial = self._serial
-            ck.priority = priority = ck.last_access if lru else policy.checkpoint_priority(
-                self, ck.last_access, ck.depth * block)
-            push(self._heap, (priority, serial, ck))
-            if len(self._heap) > limit:
-                keep = []
-                for entry in self._heap:
-                    if self._ck_valid(entry):
-                        keep.append(entry)
-                    else:
-                        self._forget(entry)
-                heapq.heapify(keep)
-                self._heap = keep
+        if policy.lru_checkpoints:  # then a checkpoint's rank is its last use
+            ranks = [ck.last_access for ck in cks]
+        else:
+            ranks = [policy.checkpoint_priority(self, ck.last_access, ck.depth * block) for ck in cks]
+        limit = self.HEAP_SLACK + 4 * max(self.n_checkpoints, 1)
+        heap, push = self._heap, heapq.heappush
+        if n < self.BATCH:  # a few: one entry each
+            for ck, rank in zip(cks, ranks):
+                self._serial += 1
+                ck.serial = serial = self._serial
+                push(heap, (rank, serial, ck))
+                self._queued += 1
+                if self._queued > limit:
+                    self._compact()
+                    heap = self._heap
+            return
+        one_rank = n >= self.BATCH and ranks.count(ranks[0]) == n  # the common case, in one pass
+        start = 0
+        while start < n:
+            rank = ranks[start]
+            stop = n if one_rank else start + 1
+            if n - start >= self.BATCH:
+                while stop < n and ranks[stop] == rank:
+                    stop += 1
+            stop = min(stop, start + max(1, limit - self._queued + 1))  # the push that passes the limit ends it
+            if stop - start < self.BATCH:
+                for ck in cks[start:stop]:
+                    self._serial += 1
+                    ck.serial = self._serial
+                    push(heap, (rank, self._serial, ck))
+            else:
+                batch = cks[start:stop] if start or stop < n else list(cks)
+                base = self._serial + 1
+                self._serial += len(batch)
+                for serial, ck in enumerate(batch, base):  # (a checkpoint's rank is set when it is next)
+                    ck.serial = serial
+                push(heap, (rank, base, _Batch(batch, range(base, self._serial + 1))))
+            self._queued += stop - start
+            if self._queued > limit:
+                self._compact()
+                heap = self._heap
+            start = stop
+
+    def _compact(self) -> None:
+        """Drop every entry that is no longer its checkpoint's evictable one (forgetting the pinned)."""
+        keep, queued, valid = [], 0, self._ck_valid
+        for entry in self._heap:
+            rank, serial, x = entry
+            if x.__class__ is not _Batch:
+                if valid(x, serial):
+                    keep.append(entry)
+                    queued += 1
+                else:
+                    self._forget(x, serial)
+                continue
+            cks, serials = [], []
+            for ck, serial in zip(x.cks[x.i:], x.serials[x.i:]):
+                if valid(ck, serial):
+                    cks.append(ck)
+                    serials.append(serial)
+                else:
+                    self._forget(ck, serial)
+            if cks:
+                keep.append((rank, serials[0], _Batch(cks, serials)))
+                queued += len(cks)
+        heapq.heapify(keep)
+        self._heap, self._queued = keep, queued
 
     def _peek_checkpoint(self):
-        """The next valid checkpoint (``_ck_valid``, inlined: this runs once per eviction decision)."""
-        heap, protect, pop = self._heap, self.policy.protect_branch_points, heapq.heappop
+        """The next valid checkpoint (``_ck_valid``, inlined: this runs once per eviction decision);
+        the entries passed over leave the queue."""
+        heap, protect = self._heap, self.policy.protect_branch_points
         while heap:
-            _, serial, ck = entry = heap[0]
-            run = ck.run
-            if run is not None and ck.serial == serial and not run.refcount and (
-                    not protect or (1 if ck.depth < run.hi else len(run.children)) == 1):
-                return ck
-            pop(heap)
-            if run is not None and ck.serial == serial:
-                self._forget(entry)
+            rank, serial, x = heap[0]
+            if x.__class__ is not _Batch:
+                run = x.run
+                if run is not None and x.serial == serial:
+                    if not run.refcount and (not protect or (1 if x.depth < run.hi else len(run.children)) == 1):
+                        x.priority = rank
+                        return x
+                    x.serial = -1  # _forget, inlined
+                    self._unqueued.add(x)
+                self._queued -= 1
+                heapq.heappop(heap)
+                continue
+            cks, serials, i = x.cks, x.serials, x.i
+            n = len(cks)
+            while i < n:
+                ck = cks[i]
+                run = ck.run
+                if run is not None and ck.serial == serials[i]:
+                    if not run.refcount and (not protect or (1 if ck.depth < run.hi else len(run.children)) == 1):
+                        self._queued -= i - x.i
+                        x.i = i
+                        ck.priority = rank
+                        return ck
+                    ck.serial = -1  # _forget, inlined
+                    self._unqueued.add(ck)
+                i += 1
+            self._queued -= n - x.i
+            heapq.heappop(heap)
         return None
 
     # ----- eviction ---------------------------------------------------------------
@@ -203,21 +292,35 @@ class RunEviction:
         lru_ck, block = policy.lru_checkpoints, self.block_size
         hi, k, dropped, per_ck = run.hi, 0, 0, self.checkpoint_pages
         free, changed = pool.n_free, False
-        while free < n_pages and hi > run.lo:
-            below = cks.get(hi - 1)
-            if below is not None and below.serial == -1:
-                break  # evicting this block queues the checkpoint below it: the general path
-            if hi in cks:
-                cks.pop(hi).run = None  # _drop_checkpoint, inlined: the block tree drops it with the block
-                dropped += 1
-                free += per_ck
-            hi, k = hi - 1, k + 1
-            free += 1
-            nxt = (policy.kv_priority(self, run.last_access, hi * block, True) if hi in cks and not lru_ck
-                   else run.last_access)
-            if nxt != rank:  # the next block ranks differently: let reclaim compare again
-                rank, changed = nxt, True
-                break
+        if lru_ck and rank == run.last_access:  # then no block's rank differs: the loop below, lean
+            lo, get, pop = run.lo, cks.get, cks.pop
+            while free < n_pages and hi > lo:
+                below = get(hi - 1)
+                if below is not None and below.serial == -1:
+                    break
+                if hi in cks:
+                    pop(hi).run = None
+                    dropped += 1
+                    free += per_ck
+                hi -= 1
+                free += 1
+            k = run.hi - hi
+        else:
+            while free < n_pages and hi > run.lo:
+                below = cks.get(hi - 1)
+                if below is not None and below.serial == -1:
+                    break  # evicting this block queues the checkpoint below it: the general path
+                if hi in cks:
+                    cks.pop(hi).run = None  # _drop_checkpoint, inlined: the block tree drops it with the block
+                    dropped += 1
+                    free += per_ck
+                hi, k = hi - 1, k + 1
+                free += 1
+                nxt = (policy.kv_priority(self, run.last_access, hi * block, True) if hi in cks and not lru_ck
+                       else run.last_access)
+                if nxt != rank:  # the next block ranks differently: let reclaim compare again
+                    rank, changed = nxt, True
+                    break
         pool.n_free = free
         if dropped:
             self.n_checkpoints -= dropped

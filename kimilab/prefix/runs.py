@@ -93,7 +93,8 @@ class RunPrefixCache(RunEviction):
         self.n_runs = self.n_blocks = self.n_evicted = 0
         self._leaf_heap: list = []
         self._leaf_serial = 0
-        self._heap: list = []
+        self._heap: list = []  # (rank, serial, _Checkpoint) or (rank, first serial, _Batch of them)
+        self._queued = 0  # checkpoints entries in the heap, as the block tree would count its own
         self._serial = 0
         self.n_checkpoints = self.checkpoints_admitted = self.checkpoints_evicted = 0
         self.pages_admitted = 0
@@ -226,23 +227,40 @@ class RunPrefixCache(RunEviction):
                       and len(path[-2].children) >= 2)
             ends = range(block, (n_path + 1) * block, block)  # every block is whole: ends are multiples
             first = usable // block  # positions are depths - 1; only those past the usable hit count
-            wanted, los = [], None
-            run, runs_hi = None, -1
-            for i in policy.positions(Placement(ends, matched, usable, n, branch)):
-                d = i + 1
-                if d <= first:
-                    continue
-                if d > runs_hi:  # the run holding depth d (path runs are in depth order)
-                    los = los or [r.lo for r in path]
-                    run = path[bisect.bisect_right(los, d) - 1]
-                    runs_hi = run.hi
-                if d not in run.checkpoints:
-                    wanted.append((run, d))
-            got = self._allocate(self.checkpoint_pages, len(wanted))
-            for run, d in wanted[:got]:
-                run.checkpoints[d] = ck = _Checkpoint(run, d, run.last_access)
-                requeue.append(ck)
-                added.append(d * block)
+            positions = policy.positions(Placement(ends, matched, usable, n, branch))
+            if isinstance(positions, range):  # every block past the hit: admitted run by run
+                wanted = self._wanted_runs(path, positions, first, matched)
+                got = self._allocate(self.checkpoint_pages, sum(len(ds) for _, ds in wanted))
+                left = got
+                for run, ds in wanted:
+                    if len(ds) > left:
+                        ds = ds[:left]
+                    if not ds:
+                        break
+                    left -= len(ds)
+                    stamp = run.last_access
+                    cks = [_Checkpoint(run, d, stamp) for d in ds]
+                    run.checkpoints.update(zip(ds, cks))
+                    requeue += cks
+                    added += [d * block for d in ds]
+            else:  # a few positions: one by one
+                wanted, los = [], None
+                run, runs_hi = None, -1
+                for i in positions:
+                    d = i + 1
+                    if d <= first:
+                        continue
+                    if d > runs_hi:  # the run holding depth d (path runs are in depth order)
+                        los = los or [r.lo for r in path]
+                        run = path[bisect.bisect_right(los, d) - 1]
+                        runs_hi = run.hi
+                    if d not in run.checkpoints:
+                        wanted.append((run, d))
+                got = self._allocate(self.checkpoint_pages, len(wanted))
+                for run, d in wanted[:got]:
+                    run.checkpoints[d] = ck = _Checkpoint(run, d, run.last_access)
+                    requeue.append(ck)
+                    added.append(d * block)
             self.n_checkpoints += got
             self.checkpoints_admitted += got
             self.pages_admitted += got * self.checkpoint_pages
@@ -253,6 +271,25 @@ class RunPrefixCache(RunEviction):
         outcome = Outcome(n, kv_hit, usable, len(added), tuple(added), matched)
         self._finish(path, requeue)
         return outcome
+
+    @staticmethod
+    def _wanted_runs(path: list, positions: range, first: int, matched: int) -> list:
+        """``[(run, depths)]``: the new checkpoints' depths for a ``range`` of positions (position
+        + 1, past ``first`` and not yet held), cut by the path runs holding them, in tree order.
+        Only depths up to ``matched`` (blocks cached before this request) can hold one already."""
+        start, stop = max(positions.start + 1, first + 1), positions.stop + 1
+        out = []
+        for run in path:
+            lo, hi = max(run.lo, start), min(run.hi + 1, stop)
+            if lo < hi:
+                cks, old = run.checkpoints, min(hi, matched + 1)
+                if cks and lo < old:
+                    ds = [d for d in range(lo, old) if d not in cks]
+                    ds += range(old, hi)
+                else:
+                    ds = range(lo, hi)
+                out.append((run, ds))
+        return out
 
     def _finish(self, path: list, requeue: list) -> None:
         """Unpin the path; queue its unqueued checkpoints (new, reused, or dropped from the heap while
@@ -269,11 +306,11 @@ class RunPrefixCache(RunEviction):
             back = [ck for ck in self._unqueued if ck.run is not None and id(ck.run) in order]
             self._unqueued.difference_update(back)
             self._unqueued = {ck for ck in self._unqueued if ck.run is not None}
+            back = [ck for ck in back if ck.serial == -1]  # the others were queued again since
         if back:  # checkpoints dropped from the heap may sit anywhere on the path: sort them in
             requeue = sorted(set(requeue + back), key=lambda ck: (order[id(ck.run)], ck.depth))
-        todo = [ck for ck in requeue if ck.serial == -1 and ck.run is not None and ck.run.refcount == 0]
-        if todo:
-            self._push_checkpoints(todo)
+        # every one is unqueued (new, reused, or back) on a path run, and the path is unpinned now
+        self._push_checkpoints(requeue)
 
     def check_invariants(self) -> None:
         """Pages used == blocks + checkpoint pages; runs are consistent chains."""
@@ -292,3 +329,4 @@ class RunPrefixCache(RunEviction):
             stack.extend(run.children.values())
         assert (runs, blocks, checkpoints) == (self.n_runs, self.n_blocks, self.n_checkpoints)
         assert self.pool.n_used == blocks + checkpoints * self.checkpoint_pages
+        assert self._queued == sum(len(x.cks) - x.i if hasattr(x, 'cks') else 1 for _, _, x in self._heap)
