@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from fuzzing import examples
+import prefix_traffic as traffic
+from prefix_traffic import requests_from
 
 from kimilab.config import kimi_linear_48b
 from kimilab.costs import ONE_H200, VLLM_TP4_H200, CacheCosts
@@ -13,7 +15,6 @@ from kimilab.prefix.marconi import ALPHA_GRID, marconi_cache, normalise
 from kimilab.prefix.oracle import FutureIndex, OraclePolicy, oracle_cache
 from kimilab.prefix.precision import checkpoint_bytes
 from kimilab.prefix.segments import LRUScorer, SegmentCache
-from kimilab.traffic import Request
 
 CFG = kimi_linear_48b
 BS = 512
@@ -21,25 +22,11 @@ DEP = VLLM_TP4_H200  # a checkpoint is 3 pages of 512 tokens here
 
 
 def _requests(turns):
-    out = []
-    for t, (path, short) in enumerate(turns):
-        ids = tuple(hash(tuple(path[: j + 1])) % 10**9 for j in range(len(path)))
-        out.append(Request(t, t, len(path) * BS - short, 1, hash_ids=ids))
-    return out
+    return requests_from(turns, BS)
 
 
-@st.composite
-def conversations(draw):
-    """Prompts that branch, repeat, stop short and extend earlier ones."""
-    turns = []
-    for _ in range(draw(st.integers(1, 35))):
-        if turns and draw(st.booleans()):
-            base = draw(st.sampled_from(turns))[0]
-            path = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, 2), max_size=6))
-        else:
-            path = draw(st.lists(st.integers(0, 2), max_size=8))
-        turns.append((path or [0], draw(st.sampled_from([0, 0, 1]))))
-    return turns
+def conversations():
+    return traffic.conversations(max_turns=35, max_fresh=8, max_new=6)
 
 
 class SlowTwin:
