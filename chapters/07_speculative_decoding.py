@@ -275,21 +275,11 @@ show_source(spec.speculative_generate, lines=(36, 72))
 # the bytes each step moved, in states (the strategy counts them as it runs).
 
 # %%
-ref_cache = HybridCache(tiny)
-model.prefill(prompt, ref_cache)
-ref_states = {ref_cache.seq_len: ref_cache.checkpoint()}
-for t in greedy[:-1]:
-    model.decode(t, ref_cache)
-    ref_states[ref_cache.seq_len] = ref_cache.checkpoint()
-
-
-def state_error(c):
-    """Largest difference between the request's states and greedy decoding's at the same position."""
-    ref = ref_states[c.seq_len]
-    return max(max(np.abs(c.kda_state(i) - ref.kda_states[i]).max(),
-                   np.abs(c.conv_state(i) - ref.conv_states[i]).max()) for i in tiny.kda_layers)
-
-
+# `GreedyReference` decodes the prompt one token at a time and keeps the KDA and conv states at
+# every length; `state_error(cache)` is the largest difference from them at the cache's length.
+reference = spec.GreedyReference(model, prompt, N_NEW)  # plain decoding, its states kept per length
+print("reference tokens = greedy:", reference.tokens == greedy)
+state_error = reference.state_error
 STATE = costs.checkpoint_bytes(tiny, costs.LOCAL)
 drafters = {"n-gram lookup": real_drafters["n-gram lookup"], "controlled 0.5 (paged)": controlled.with_corruption(0.5),
             "controlled 1.0": controlled.with_corruption(1.0)}

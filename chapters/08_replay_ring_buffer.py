@@ -235,26 +235,9 @@ lazy.close()
 # it moved — equal what `kimilab.costs.spec` predicts for the tiny model, at every step.
 
 # %%
-ref_cache = HybridCache(tiny)
-model.prefill(prompt, ref_cache)
-ref_states = {ref_cache.seq_len: ref_cache.checkpoint()}
-for t in greedy[:-1]:
-    model.decode(t, ref_cache)
-    ref_states[ref_cache.seq_len] = ref_cache.checkpoint()
-
-
-def state_error(c):
-    ref = ref_states[c.seq_len]
-    return max(max(np.abs(c.kda_state(i) - ref.kda_states[i]).max(),
-                   np.abs(c.conv_state(i) - ref.conv_states[i]).max()) for i in tiny.kda_layers)
-
-
-def model_moved(name, k, stats, nodes):
-    kept = len(stats.path)
-    return spec_costs.moved_bytes(tiny, costs.LOCAL, name, k, kept, nodes=nodes, history=stats.history,
-                                  flush=stats.flushed, gathered=list(stats.path) != list(range(kept)), act_bytes=8)
-
-
+reference = spec.GreedyReference(model, prompt, N_NEW)  # plain decoding, its states kept per length
+print("reference tokens = greedy:", reference.tokens == greedy)
+state_error = reference.state_error
 STATE = costs.checkpoint_bytes(tiny, costs.LOCAL)
 print(f"{'strategy':<10s} {'shape':<16s} {'same tokens':>11s} {'states':>7s} {'held (B)':>10s} {'= model':>7s} "
       f"{'moved/step (states)':>20s} {'= model':>7s} {'flushes':>7s}")
@@ -275,7 +258,7 @@ for name in STRATEGIES:
         r = spec.speculative_generate(model, prompt, N_NEW, controlled, k, name, cache, tree=tree, on_step=check)
         runs[name, tree] = r
         held_model = spec_costs.rollback_bytes(tiny, costs.LOCAL, name, k, act_bytes=8, nodes=nodes)
-        moved_ok = all(s.moved_bytes == model_moved(name, k, s, nodes) for s in r.steps)
+        moved_ok = all(s.moved_bytes == spec.predicted_moved(model, name, k, s, nodes) for s in r.steps)
         mean_moved = np.mean([s.moved_bytes for s in r.steps]) / STATE
         shape = f"chain k={k} (paged)" if tree is None else f"tree {tree}"
         print(f"{name:<10s} {shape:<16s} {str(r.tokens == greedy):>11s} {str(max(errors) <= 1e-10):>7s} "

@@ -22,16 +22,9 @@ def model(tiny_model):
 
 
 def _greedy_states(model, prompt, n_new):
-    """Greedy tokens and, per seq_len, the (KDA, conv) states of a plain decode run."""
-    cache = HybridCache(tiny)
-    logits = model.prefill(prompt, cache)[-1]
-    tokens, states = [], {}
-    while True:
-        states[cache.seq_len] = cache.checkpoint()
-        tokens.append(int(np.argmax(logits)))
-        if len(tokens) == n_new:
-            return tokens, states, cache
-        logits = model.decode(tokens[-1], cache)
+    """Greedy tokens, per seq_len the (KDA, conv) states of a plain decode run, and its cache."""
+    ref = spec.GreedyReference(model, prompt, n_new)
+    return ref.tokens, ref.states, ref.cache
 
 
 def _same_states(cache, ckpt, tol=1e-10):
@@ -52,12 +45,6 @@ def _run(model, prompt, n_new, drafter, k, rollback, cache, states, pool=None, *
     result = spec.speculative_generate(model, prompt, n_new, drafter, k, rollback, cache, on_step=on_step, **kw)
     assert len(seen) == len(result.steps)
     return result
-
-
-def _predicted_moved(name, k, stats, nodes):
-    kept = len(stats.path)
-    return spec_costs.moved_bytes(tiny, LOCAL, name, k, kept, nodes=nodes, history=stats.history,
-                                  flush=stats.flushed, gathered=list(stats.path) != list(range(kept)), act_bytes=8)
 
 
 @settings(max_examples=examples(24), deadline=None)
@@ -87,7 +74,7 @@ def test_speculative_equals_greedy_controlled(model, prompt_len, seed, k, corrup
         assert np.max(np.abs(cache.kv(i)[0] - ref_cache.kv(i)[0])) <= 1e-10
     assert all(s.accepted <= s.drafted and s.emitted <= s.accepted + 1 for s in result.steps)
     if rollback not in ("ring", "lazy-ring") or not spare:
-        assert all(s.moved_bytes == _predicted_moved(rollback, k, s, nodes) for s in result.steps)
+        assert all(s.moved_bytes == spec.predicted_moved(model, rollback, k, s, nodes) for s in result.steps)
     if paged:
         assert pool.stats().pages_by_kind["scratch"] == 0
         cache.free()

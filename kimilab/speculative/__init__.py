@@ -16,6 +16,7 @@ One concept per module, in the order the chapters build them:
 * ``loop``         speculative_generate: draft -> verify -> accept -> roll back
 * ``sampling``     speculative sampling: the acceptance rule that keeps the target's distribution
 * ``measure``      rollback wall-clock time on the reduced model
+* ``reference``    GreedyReference (plain decoding's tokens and states, per length), predicted_moved
 """
 
 from kimilab.speculative.drafters import ControlledDrafter, Drafter, DraftModelDrafter, NgramDrafter
@@ -24,6 +25,7 @@ from kimilab.speculative.loop import (
     EXACT_ROLLBACKS, ROLLBACKS, SpecResult, StepStats, make_rollback, speculative_generate,
 )
 from kimilab.speculative.measure import rollback_timings
+from kimilab.speculative.reference import GreedyReference, predicted_moved
 from kimilab.speculative.replay import ConvRing, ReplayRollback, RingRollback
 from kimilab.speculative.rollback import (
     Rollback, SnapshotRollback, StateView, StepSlotsRollback, TrimOnly, checkpoint_at,
@@ -45,5 +47,5 @@ __all__ = [
     "Rollback", "StepSlotsRollback", "TrimOnly", "SnapshotRollback", "SlotRollback", "ReplayRollback", "RingRollback", "ConvRing",
     "LazyRingRollback", "entry_layout", "DEFAULT_RING", "StateView", "checkpoint_at",
     "ROLLBACKS", "EXACT_ROLLBACKS", "StepStats", "SpecResult", "make_rollback", "speculative_generate",
-    "rollback_timings", "accept_sampled", "speculative_sample",
+    "rollback_timings", "accept_sampled", "speculative_sample", "GreedyReference", "predicted_moved",
 ]
