@@ -339,3 +339,15 @@ def test_emitted_per_step_needs_no_model(model, tree):
     k = 4 if tree is None else 3
     r = spec.speculative_generate(model, prompt, 30, d, k, "slot", tree=tree)
     assert [s.emitted for s in r.steps] == d.emitted_per_step(30, k, tree)
+
+
+def test_greedy_reference_names_what_it_cannot_compare(model):
+    ref = spec.GreedyReference(model, [1, 2, 3], 4)
+    assert ref.tokens == model.generate([1, 2, 3], 4)
+    assert ref.state_error(ref.cache) == 0.0
+    with pytest.raises(ValueError, match=r"cache.seq_len=2: expected a length the reference decoded \(3..6\)"):
+        c = HybridCache(tiny)
+        model.prefill([1, 2], c)
+        ref.state_error(c)
+    with pytest.raises(ValueError, match="n_new"):
+        spec.GreedyReference(model, [1, 2, 3], 0)
