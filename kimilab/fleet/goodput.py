@@ -182,16 +182,7 @@ def _bisect_up(passes, lo: float | None, hi: float | None, start: float, rel_tol
 def max_rate_scale(run, slo: SLO, *, start: float = 1.0, rel_tol: float = 0.05, ceiling: float = 4096.0):
     """(highest passing scale, its result, every (scale, passed) tried). ``run(scale, guard)`` replays the
     trace at ``scale`` x its rate and returns a FleetResult (``guard`` may stop it early)."""
-    tried, best = [], {}
-
-    def passes(scale):
-        result = run(scale)
-        ok = meets(result, slo)
-        tried.append((scale, ok))
-        if ok:
-            best[scale] = result
-        return ok
-
+    passes, tried, best = _recorded(run, slo)
     check_float("rel_tol", rel_tol, minimum=1e-6)
     scale = _bisect_up(passes, None, None, start, rel_tol, ceiling)
     return scale, best.get(scale), tried
