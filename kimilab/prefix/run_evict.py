@@ -100,7 +100,7 @@ class RunEviction:
                     self._compact()
                     heap = self._heap
             return
-        one_rank = n >= self.BATCH and ranks.count(ranks[0]) == n  # the common case, in one pass
+        one_rank = ranks.count(ranks[0]) == n  # the common case, in one pass
         start = 0
         while start < n:
             rank = ranks[start]
@@ -292,35 +292,24 @@ class RunEviction:
         lru_ck, block = policy.lru_checkpoints, self.block_size
         hi, k, dropped, per_ck = run.hi, 0, 0, self.checkpoint_pages
         free, changed = pool.n_free, False
-        if lru_ck and rank == run.last_access:  # then no block's rank differs: the loop below, lean
-            lo, get, pop = run.lo, cks.get, cks.pop
-            while free < n_pages and hi > lo:
-                below = get(hi - 1)
-                if below is not None and below.serial == -1:
-                    break
-                if hi in cks:
-                    pop(hi).run = None
-                    dropped += 1
-                    free += per_ck
-                hi -= 1
-                free += 1
-            k = run.hi - hi
-        else:
-            while free < n_pages and hi > run.lo:
-                below = cks.get(hi - 1)
-                if below is not None and below.serial == -1:
-                    break  # evicting this block queues the checkpoint below it: the general path
-                if hi in cks:
-                    cks.pop(hi).run = None  # _drop_checkpoint, inlined: the block tree drops it with the block
-                    dropped += 1
-                    free += per_ck
-                hi, k = hi - 1, k + 1
-                free += 1
-                nxt = (policy.kv_priority(self, run.last_access, hi * block, True) if hi in cks and not lru_ck
-                       else run.last_access)
-                if nxt != rank:  # the next block ranks differently: let reclaim compare again
-                    rank, changed = nxt, True
-                    break
+        steady = lru_ck and rank == run.last_access  # then no block's rank can differ from the run's
+        while free < n_pages and hi > run.lo:
+            below = cks.get(hi - 1)
+            if below is not None and below.serial == -1:
+                break  # evicting this block queues the checkpoint below it: the general path
+            if hi in cks:
+                cks.pop(hi).run = None  # _drop_checkpoint, inlined: the block tree drops it with the block
+                dropped += 1
+                free += per_ck
+            hi, k = hi - 1, k + 1
+            free += 1
+            if steady:
+                continue
+            nxt = (policy.kv_priority(self, run.last_access, hi * block, True) if hi in cks and not lru_ck
+                   else run.last_access)
+            if nxt != rank:  # the next block ranks differently: let reclaim compare again
+                rank, changed = nxt, True
+                break
         pool.n_free = free
         if dropped:
             self.n_checkpoints -= dropped
