@@ -126,6 +126,26 @@ return [document.documentElement.scrollWidth, w, bad.slice(0, 5)];
 """
 
 
+# At 1280 px nothing in a chapter's core path scrolls sideways: no box outside a deep dive whose content
+# is wider than the box (code, output, tables, math), and every "Deep dive" section is folded shut.
+_CORE_SCROLL_JS = """
+const bad = [];
+for (const el of document.querySelectorAll('.bd-article *')) {
+  if (el.closest('details.deep-dive') || el.closest('mjx-container')) continue;
+  const s = getComputedStyle(el);
+  if ((s.overflowX === 'auto' || s.overflowX === 'scroll') && el.scrollWidth > el.clientWidth + 1)
+    bad.push(el.tagName + '.' + el.className + ' ' + el.scrollWidth + '>' + el.clientWidth + ' '
+             + (el.textContent || '').trim().slice(0, 60));
+}
+const deep = Array.from(document.querySelectorAll('.bd-article section')).filter(sec => {
+  const h = sec.querySelector(':scope > h2, :scope > h3, :scope > h4');
+  return h && /deep dive/i.test(h.textContent); });
+const folds = Array.from(document.querySelectorAll('details.deep-dive'));
+return [bad.slice(0, 5), deep.length, folds.length, folds.filter(d => d.open).length,
+        document.querySelectorAll('.bd-article details.deep-dive summary :is(h2, h3, h4)').length];
+"""
+
+
 def _wait(driver, seconds: float = 60) -> None:
     deadline = time.perf_counter() + seconds
     while driver.execute_script("return document.readyState") != "complete":
@@ -172,6 +192,15 @@ def test_the_sites_in_a_real_browser(sites):
             assert all(alt and caption.strip().startswith("Figure") for alt, caption in figures), page.name
             if page.parent != folder:
                 continue
+            if re.match(r"\d\d_", page.name):
+                bad, loose, folds, opened, titled = driver.execute_script(_CORE_SCROLL_JS)
+                assert not bad, f"{page.name} at 1280 px: core content scrolls sideways: {bad}"
+                assert folds and not loose and not opened and titled == folds, \
+                    f"{page.name}: {folds} deep dives folded ({opened} open, {loose} not folded, {titled} titled)"
+                hrefs = driver.execute_script("return Array.from(document.querySelectorAll('.bd-article a'))"
+                                              ".map(a => a.getAttribute('href'))")
+                for ref in site.REFERENCE_PAGES:
+                    assert f"{ref}.html" in hrefs, f"{page.name}: no link to the {ref} page"
             for href in driver.execute_script("return Array.from(document.links).map(a => a.getAttribute('href'))"):
                 url = urlparse(href or "")
                 if url.scheme or not href or href.startswith("#") and not url.fragment:
@@ -225,3 +254,32 @@ def test_the_sites_in_a_real_browser(sites):
     finally:
         driver.quit()
     print(f"browser test: {len(pages)} pages at 1280 and 400 px in {time.perf_counter() - start:.1f} s")
+
+
+def test_the_api_page_is_generated_from_the_package():
+    from kimilab.site.api import api_for_sphinx, api_markdown, public_modules
+
+    assert (ROOT / "chapters" / "api.md").read_text(encoding="utf-8") == api_markdown(), \
+        "chapters/api.md is stale: `python -m kimilab html` rewrites it"
+    names = [name for name, _ in public_modules()]
+    assert "kimilab.kda.recurrent" in names and "kimilab.prefix.hybrid" in names
+    assert api_for_sphinx(api_markdown()).count(".. automodule:: ") == len(names)
+
+
+def test_every_glossary_term_links_to_its_definition_and_every_chapter_to_the_reference_pages():
+    glossary = (ROOT / "chapters" / "glossary.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((\d\d_[a-z0-9_]+)\.ipynb#(term-[a-z0-9-]+)\)", glossary)
+    assert len(links) >= 20, f"the glossary links {len(links)} terms"
+    anchors = {}
+    for path in NOTEBOOKS:
+        text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        anchors[path.stem] = set(re.findall(r'<a id="(term-[a-z0-9-]+)"></a>', text))
+        for ref in site.REFERENCE_PAGES:
+            assert f"]({ref}.md)" in text, f"{path.name}: no link to {ref}.md"
+    for stem, anchor in links:
+        assert anchor in anchors.get(stem, ()), f"glossary: {stem} has no <a id=\"{anchor}\">"
+    for stem, found in anchors.items():  # the first definition: no earlier chapter defines it too
+        earlier = [s for s in anchors if s < stem and found & anchors[s]]
+        assert not earlier, f"{stem} defines {sorted(found & anchors[earlier[0]])} again (first in {earlier[0]})"
+        for anchor in found:
+            assert (stem, anchor) in links, f"{stem}: {anchor} is defined but not in the glossary"

@@ -39,3 +39,15 @@ def test_teaching_plan_uses_the_h1s():
         n = h1.split(".", 1)[0]
         named = re.findall(rf"^#+ Week {n} — (.+)$", text, re.M)
         assert named == [h1], f"TEACHING's week {n} heading names {named}; the chapter's H1 is {h1!r}"
+
+
+def test_teaching_states_the_measured_reading_times():
+    """TEACHING's reading-time table is the one kimilab.readability measures on the stored notebooks."""
+    from kimilab import readability
+
+    text = (ROOT / "TEACHING.md").read_text()
+    rows = {int(n): (int(core), int(deep)) for n, core, deep in
+            re.findall(r"^\| (\d+)\. [^|]+\| (\d+) \| (\d+) \|", text, re.M)}
+    measured = {int(r.name[:2]): (round(r.core_minutes), round(r.deep_minutes))
+                for r in readability.read_chapters(ROOT / "chapters")}
+    assert rows == measured, f"TEACHING's reading times {rows}; measured {measured}"

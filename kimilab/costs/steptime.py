@@ -1,7 +1,7 @@
 """How long one step takes: ONE forward pass of a whole batch on a deployment.
 
 A continuous-batching step runs every decoding request's next token and the prefill
-chunks admitted beside them as one forward pass. On the busiest device it costs
+chunks admitted beside them as one forward pass. On the busiest device it costs::
 
     overhead   layers x kernels.layer_overhead_s (launches, norms, routing, the host)
   + comm       the step's collectives over the deployment's link

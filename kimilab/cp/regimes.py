@@ -56,7 +56,7 @@ def regime_inputs(T: int, H: int, K: int, V: int, *, seed: int, regime: str | No
 
 
 def m_lifetime(k, v, g, beta, block: int = 256, chunk_size: int = 64):
-    """Largest |entry| of M after the first block, 2 blocks, ...: ``(tokens [n], max_entry [n])``.
+    """Largest ``|entry|`` of M after the first block, 2 blocks, ...: ``(tokens [n], max_entry [n])``.
 
     Each block's transition is computed once (``kda.segment_transition`` over all blocks at
     once) and composed in order, so this is O(T) and exact.

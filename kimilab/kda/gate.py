@@ -30,7 +30,7 @@ def softplus(x) -> np.ndarray:
 
 
 def sigmoid(x) -> np.ndarray:
-    """``1 / (1 + exp(-x))`` without overflow for large |x|."""
+    """``1 / (1 + exp(-x))`` without overflow for large ``|x|``."""
     x = np.asarray(x)
     e = np.exp(-np.abs(x))
     return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)

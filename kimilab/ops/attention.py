@@ -184,13 +184,16 @@ class KVCache:
         _check_array("k", k, 3, f"[T, Hkv={self.n_kv_heads}, D={self.head_dim}]")
         _check_array("v", v, 3, f"[T, Hkv={self.n_kv_heads}, Dv={self.value_dim}]")
         if k.shape[1:] != (self.n_kv_heads, self.head_dim):
-            raise ValueError(f"k: expected [T, Hkv={self.n_kv_heads}, D={self.head_dim}], got shape {k.shape}")
+            raise ValueError(f"k: expected [T, Hkv={self.n_kv_heads}, D={self.head_dim}], "
+                             f"got shape {k.shape}")
         if v.shape[1:] != (self.n_kv_heads, self.value_dim):
-            raise ValueError(f"v: expected [T, Hkv={self.n_kv_heads}, Dv={self.value_dim}], got shape {v.shape}")
+            raise ValueError(f"v: expected [T, Hkv={self.n_kv_heads}, Dv={self.value_dim}], "
+                             f"got shape {v.shape}")
         if v.shape[0] != k.shape[0]:
             raise ValueError(f"v: expected T={k.shape[0]} tokens like k, got shape {v.shape}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
-            raise ValueError(f"k, v: expected the cache dtype {self.dtype}, got k {k.dtype}, v {v.dtype}")
+            raise ValueError(f"k, v: expected the cache dtype {self.dtype}, "
+                             f"got k {k.dtype}, v {v.dtype}")
         n = k.shape[0]
         needed = self._length + n
         if needed > self._k.shape[0]:
@@ -228,10 +231,12 @@ def decode_step(q, k, v, cache: KVCache, scale=None) -> np.ndarray:
     _check_array("q", q, 3, "[T, H, D]")
     _check_array("k", k, 3, "[T, Hkv, D]")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q: expected T={k.shape[0]} new queries (one per new key), got shape {q.shape}")
+        raise ValueError(f"q: expected T={k.shape[0]} new queries (one per new key), "
+                         f"got shape {q.shape}")
     if q.shape[2] != cache.head_dim or q.shape[1] % cache.n_kv_heads or q.dtype != cache.dtype:
-        raise ValueError(f"q: expected [T, H, D={cache.head_dim}] of dtype {cache.dtype} with H a multiple "
-                         f"of Hkv={cache.n_kv_heads}, got shape {q.shape} dtype {q.dtype}")
+        raise ValueError(f"q: expected [T, H, D={cache.head_dim}] of dtype {cache.dtype} "
+                         f"with H a multiple of Hkv={cache.n_kv_heads}, "
+                         f"got shape {q.shape} dtype {q.dtype}")
     cache.append(k, v)  # validated above and in append, so a bad call leaves the cache unchanged
     return causal_attention(q, cache.keys, cache.values, scale=scale)
 

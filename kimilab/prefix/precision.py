@@ -7,7 +7,7 @@ precision: the only error is one rounding of the state.
 * ``"native"``: the model's own widths (Kimi-Linear-48B: fp32 KDA states, bf16 conv windows).
 * ``"bf16"``: the KDA states rounded to bfloat16 (round to nearest even); conv windows native.
 * ``"int8"``: SGLang's scheme (``srt/mem_cache/mamba_checkpoint_pool.py``): each KDA state
-  stored as int8 with one symmetric scale per (head, key channel) -- the maximum of |S| over
+  stored as int8 with one symmetric scale per (head, key channel) -- the maximum of ``|S|`` over
   the value axis divided by 127, kept in the state's own dtype -- and the conv window at its
   native dtype; dequantised once on a hit.
 

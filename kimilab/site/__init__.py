@@ -26,7 +26,8 @@ import shutil
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-__all__ = ["SITE", "STUDENT_SITE", "EDITIONS", "chapter_notebooks", "run_times", "build_site", "build_sites", "main"]
+__all__ = ["SITE", "STUDENT_SITE", "EDITIONS", "chapter_notebooks", "run_times", "build_site", "build_sites", "main",
+           "REFERENCE_PAGES"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
@@ -35,6 +36,8 @@ STUDENT_SITE = ROOT / "_build" / "html-student"
 EDITIONS = {"teacher": SITE, "student": STUDENT_SITE}
 TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "sphinx"
 TEACHER_PAGES = (ROOT / "TEACHING.md", ROOT / "chapters" / "teacher_answers.md")
+REFERENCE_PAGES = ("glossary", "notation", "api")  # chapters/NAME.md, linked from every chapter
+_TERM_LINK = re.compile(r"\[([^\]]+)\]\((\d\d_[a-z0-9_]+)\.ipynb#(term-[a-z0-9-]+)\)")
 _NOTEBOOK = re.compile(r"^(\d\d)_[a-z0-9_]+\.ipynb$")
 _TABLE_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*\[([^\]]+)\]\(chapters/(\d\d_[a-z0-9_]+)\.py\)\s*\|(.*)\|\s*([^|]+?)\s*\|$")
 _MATHJAX_PARTS = ("tex-chtml.js", "input/tex/extensions", "output/chtml/fonts/woff-v2", "ui", "a11y")
@@ -75,6 +78,12 @@ def _link_rewrite(text: str) -> str:
     return re.sub(r"\]\((?:\.\./)?chapters/(references|teacher_answers)\.md", r"](\1.md", text)
 
 
+def _term_links(text: str) -> str:
+    """A glossary link to a term's anchor in a chapter becomes a plain HTML link to the rendered page
+    (the anchor is an ``<a id>`` in the chapter's prose, which Sphinx does not know as a target)."""
+    return _TERM_LINK.sub(lambda m: f'<a href="{m.group(2)}.html#{m.group(3)}">{m.group(1)}</a>', text)
+
+
 def _index(books: list[tuple[str, str]], pages: list[tuple[str, str]], edition: str) -> str:
     times = run_times()
     rows = "\n".join(f"| [{title}]({stem}.ipynb) | {times.get(stem, '—')} |" for stem, title in books)
@@ -97,6 +106,7 @@ def _index(books: list[tuple[str, str]], pages: list[tuple[str, str]], edition: 
 def _write_source(src: Path, notebooks: list[Path], edition: str) -> None:
     import nbformat
 
+    from kimilab.site.api import api_for_sphinx
     from kimilab.site.prepare import prepare_notebook, references_md, title_of
 
     if src.exists():
@@ -117,6 +127,11 @@ def _write_source(src: Path, notebooks: list[Path], edition: str) -> None:
         (src / "references.md").write_text(references_md((CHAPTERS / "references.md").read_text(encoding="utf-8")),
                                            encoding="utf-8")
         pages.append(("references", "References"))
+    for stem in REFERENCE_PAGES:
+        page = CHAPTERS / f"{stem}.md"
+        text = _term_links(page.read_text(encoding="utf-8"))
+        (src / page.name).write_text(api_for_sphinx(text) if stem == "api" else text, encoding="utf-8")
+        pages.append((stem, stem))
     for page in TEACHER_PAGES if edition == "teacher" else ():
         if page.exists():
             (src / page.name).write_text(_link_rewrite(page.read_text(encoding="utf-8")), encoding="utf-8")
@@ -149,7 +164,15 @@ def build_site(out: Path = SITE, notebooks: list[Path] | None = None, *, edition
 
 
 def build_sites(strict: bool = False) -> dict[str, Path]:
-    """Both editions, each in its folder; returns their index pages by edition."""
+    """Both editions, each in its folder; returns their index pages by edition.
+
+    ``chapters/api.md`` is rewritten first from the package (see :mod:`kimilab.site.api`).
+    """
+    from kimilab.site.api import api_markdown
+
+    page = CHAPTERS / "api.md"
+    if not page.exists() or page.read_text(encoding="utf-8") != api_markdown():
+        page.write_text(api_markdown(), encoding="utf-8")
     return {edition: build_site(out, edition=edition, strict=strict) for edition, out in EDITIONS.items()}
 
 

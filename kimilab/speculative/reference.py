@@ -42,7 +42,7 @@ class GreedyReference:
             logits = model.decode(self.tokens[-1], cache)
 
     def state_error(self, cache) -> float:
-        """Largest |difference| between ``cache``'s KDA and conv states and plain decoding's at the
+        """Largest ``|difference|`` between ``cache``'s KDA and conv states and plain decoding's at the
         same length (0.0 for an exact step)."""
         ref = self.states.get(cache.seq_len)
         if ref is None:

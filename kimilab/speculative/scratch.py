@@ -43,12 +43,12 @@ class SlotLayout:
         return self.elems * np.dtype(self.dtype).itemsize
 
     def pack(self, arrays: Mapping, n: int) -> np.ndarray:
-        """``arrays[key]`` of shape [n, *shape] for every field -> one [n, elems] array."""
+        """``arrays[key]`` of shape ``[n, *shape]`` for every field -> one ``[n, elems]`` array."""
         parts = [np.asarray(arrays[key], dtype=self.dtype).reshape(n, -1) for key, _ in self.fields]
         return np.concatenate(parts, axis=1)
 
     def unpack(self, flat: np.ndarray) -> dict:
-        """[n, elems] -> {key: [n, *shape]} (views into ``flat``)."""
+        """``[n, elems]`` -> ``{key: [n, *shape]}`` (views into ``flat``)."""
         out, start = {}, 0
         for (key, shape), size in zip(self.fields, self.sizes):
             out[key] = flat[:, start:start + size].reshape((flat.shape[0],) + tuple(shape))

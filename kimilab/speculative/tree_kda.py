@@ -100,7 +100,7 @@ def node_states(state, k, v, g, beta, tree) -> np.ndarray:
 
 
 def fold(state, d, k, g) -> np.ndarray:
-    """The state after a chain of entries (d, k, g [m, H, *]) from ``state`` [H, K, V]:
+    """The state after a chain of entries (d, k, g ``[m, H, *]``) from ``state`` [H, K, V]:
     diag(exp(G_m)) S + sum_i diag(exp(G_m - G_i)) k_i d_i^T, with G the running sum of g.
 
     One product over all m entries -- the write-back (flush) of a lazy ring; m = 0 returns
