@@ -2,7 +2,8 @@
 
 * ``# NBVAL_...`` marker lines are dropped; a wall-clock cell is tagged ``wall-clock``
   instead (the page marks it as measured, varying from run to run).
-* A ``show_source(...)`` cell's output (the listing) is collapsed (``hide-output``);
+* A ``show_source(...)`` cell's output (the listing) is collapsed (``hide-output``), and so is
+  the code of the cell that prints the chapter's Key results box (``hide-input``);
   a plotting cell's code is collapsed (``hide-input``) and its figure kept.
 * Every figure is numbered per chapter (``Figure 3.2``, anchor ``fig-3-2``) and
   captioned with its takeaway, the first paragraph of the markdown cell right below
@@ -23,6 +24,7 @@ __all__ = ["prepare_notebook", "plot_labels", "title_of", "references_md"]
 _MARKER = re.compile(r"^\s*#\s*NBVAL_\w+\s*$")
 _VERIFY = re.compile(r"\bverify\(")
 _SHOW_SOURCE = re.compile(r"^\s*show_source\(", re.M)
+_KEY_RESULTS = re.compile(r"^key_results\(", re.M)
 _LABEL_CALLS = {"set_title": "title", "suptitle": "title", "title": "title", "set_xlabel": "x", "xlabel": "x",
                 "set_ylabel": "y", "ylabel": "y"}
 _TAKEAWAY = re.compile(r"^\s*(?:\*{1,2})?Takeaway(?:\s*\([^)]*\))?:(?:\*{1,2})?\s*", re.I)
@@ -96,6 +98,8 @@ def prepare_notebook(nb, chapter: int, *, student: bool = False):
             _add_tag(cell, "wall-clock")
         if _SHOW_SOURCE.search(cell.source):
             _add_tag(cell, "hide-output")
+        if _KEY_RESULTS.search(cell.source):  # the box reads first; the code that computes it folds
+            _add_tag(cell, "hide-input")
         if student and _VERIFY.search(cell.source):
             _add_tag(cell, "remove-output")
         if not _has_image(cell):
