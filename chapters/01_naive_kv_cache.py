@@ -51,21 +51,18 @@ rng = np.random.default_rng(0)
 one, node, M = costs.ONE_H200, costs.DEFAULT_DEPLOYMENT, 2**20  # M: a 1M-token context
 toy_shape = dict(n_heads=4, head_dim=16, n_kv_heads=2, d_model=64, n_layers=2)  # the toy built below
 flop_saving = decode_flops(M, cached=False, **toy_shape) / decode_flops(M, cached=True, **toy_shape)
-per_token = {cfg.name: costs.kv_bytes_per_token(cfg, one) for cfg in (kimi_linear_48b, all_mla_27, gqa_8b)}
+hy_b, mla_b, gqa_b = (costs.kv_bytes_per_token(cfg, one) for cfg in (kimi_linear_48b, all_mla_27, gqa_8b))
 gqa_1m = costs.request_bytes(gqa_8b, one, M)["kv"]
-fits = {n: costs.max_batch(kimi_linear_48b, node, n) for n in (8192, M)}
 key_results(
-    f"Decoding with a KV cache equals recomputing the prefix and, at {M:,} tokens, does "
-    f"{flop_saving:,.0f}x fewer FLOPs per token in the toy decoder (~L instead of ~L²).",
-    f"Per token, Kimi-Linear-48B's {len(kimi_linear_48b.attn_layers)} MLA layers cache "
-    f"{per_token['kimi_linear_48b']:,} B, {per_token['kimi_linear_48b'] / per_token['all_mla_27']:.0%} "
-    f"of the all-MLA baseline's {per_token['all_mla_27']:,} B; a GQA 8B-class model caches "
-    f"{per_token['gqa_8b']:,} B.",
+    f"Decoding with a KV cache equals recomputing the prefix, with {flop_saving:,.0f}x fewer FLOPs per token "
+    f"at {M:,} tokens in the toy decoder (~L instead of ~L²).",
+    f"Per token Kimi-Linear-48B's {len(kimi_linear_48b.attn_layers)} MLA layers cache {hy_b:,} B, "
+    f"{hy_b / mla_b:.0%} of all-MLA's {mla_b:,} B; a GQA 8B-class model caches {gqa_b:,} B.",
     f"At 1M tokens one GQA-8B request's cache is {gqa_1m / 1e9:.0f} GB, "
-    f"{gqa_1m / costs.device_weight_bytes(gqa_8b, one):.1f}x its model's weights and more than the "
+    f"{gqa_1m / costs.device_weight_bytes(gqa_8b, one):.1f}x its weights and over the "
     f"{costs.cache_budget_bytes(gqa_8b, one) / 1e9:.0f} GB an H200 has left for caches.",
-    f"On vLLM's {node.n_devices}-H200 recipe {fits[8192]:,} hybrid requests of {8192:,} tokens fit, "
-    f"only {fits[M]} of 1M: at long context the cache, not the weights, sets the batch.",
+    f"On vLLM's {node.n_devices}-H200 recipe {costs.max_batch(kimi_linear_48b, node, 8192):,} hybrid requests "
+    f"of 8k tokens fit, only {costs.max_batch(kimi_linear_48b, node, M)} of 1M: the cache sets the batch.",
 )
 
 # %% [markdown]
@@ -233,14 +230,6 @@ assert toy == toy_shape  # the shape the key results used
 contexts = 2 ** np.arange(4, 21)  # 16 ... 1M tokens
 flops_cached = np.array([decode_flops(int(n), cached=True, **toy) for n in contexts], dtype=float)
 flops_nocache = np.array([decode_flops(int(n), cached=False, **toy) for n in contexts], dtype=float)
-shown = np.isin(contexts, (16, 1024, 65536, 1048576))
-show_table([(int(n), c, u, u / c) for n, c, u in zip(contexts[shown], flops_cached[shown], flops_nocache[shown])],
-           ["context L", "with cache", "no cache", "saving (x)"],
-           formats={"with cache": ".3e", "no cache": ".3e", "saving (x)": ",.1f"},
-           title=f"FLOPs to decode one token, toy decoder; at 1M tokens the cache saves "
-                 f"10^{np.log10(flops_nocache[-1] / flops_cached[-1]):.1f}")
-
-# %%
 fig, ax = plt.subplots()
 ax.loglog(contexts, flops_nocache, marker="o", **plots.style_of("no-cache"))
 ax.loglog(contexts, flops_cached, marker="o", **plots.style_of("kv-cache"))
@@ -254,13 +243,21 @@ plt.show()
 # %% [markdown]
 # *Takeaway:* without a cache the work per token grows like L² (slope 2 on log axes),
 # with one like L (slope 1); at 1M tokens the cache saves a factor of 524,336, 5.7
-# orders of magnitude. The deep dive lists the counter and times both paths on this
-# CPU: measured times follow the counts only loosely.
+# orders of magnitude. The deep dive lists the counter and its numbers, and times both
+# paths on this CPU: measured times follow the counts only loosely.
 #
 # ### Deep dive: the FLOP counter, and measured CPU time
 
 # %%
 show_source(decode_flops)
+
+# %%
+shown = np.isin(contexts, (16, 1024, 65536, 1048576))
+show_table([(int(n), c, u, u / c) for n, c, u in zip(contexts[shown], flops_cached[shown], flops_nocache[shown])],
+           ["context L", "with cache", "no cache", "saving (x)"],
+           formats={"with cache": ".3e", "no cache": ".3e", "saving (x)": ",.1f"},
+           title=f"FLOPs to decode one token, toy decoder; at 1M tokens the cache saves "
+                 f"10^{np.log10(flops_nocache[-1] / flops_cached[-1]):.1f}")
 
 # %% [markdown]
 # The same comparison timed on this CPU (wall-clock numbers, so the cell's output is not
@@ -313,12 +310,85 @@ show_table([(n, c * 1e3, u * 1e3, u / c) for n, c, u in zip(timed_contexts, t_ca
 # The work saved is paid for in memory. Per token, a layer caches a key and a value per
 # KV head: `2 × Hkv × D` numbers. `kimilab.costs` counts these bytes for any
 # `ModelConfig` without building an array. Every byte it returns is *per device* of a
-# named deployment (chapter 3 introduces them), so each call names one: here
-# `costs.LOCAL`, this CPU holding the book's reduced model. First we check the count
-# against real arrays of the runnable `tiny` config (stored in float64).
+# named deployment (chapter 3 introduces them), so each call names one.
 
 # %%
 show_source(costs.kv_bytes_per_token)
+
+# %% [markdown]
+# Now real shapes, cached in bf16 (2 bytes a number); no weights are built. The shapes
+# come from the models' published configurations ([references](references.md)); the
+# next cell prints them from `kimilab.config`.
+#
+# <a id="term-mla"></a>**MLA** (multi-head *latent* attention) caches, per token and
+# layer, one compressed latent shared by all heads instead of a key and a value per KV
+# head.
+#
+# - **Kimi-Linear-48B-A3B** keeps global attention in 7 of its 27 layers
+#   (`full_attn_layers` in its `config.json`, [kimi-config](references.md#kimi-config)).
+#   They are MLA layers: a latent (`kv_lora_rank`) plus a decoupled key part
+#   (`qk_rope_head_dim`, not rotated by RoPE). Its other 20 layers are KDA layers with a
+#   fixed-size state, the subject of chapter 2.
+# - **All-MLA 27 layers**: the same shapes with MLA in every layer, the tech report's
+#   full-attention baseline.
+# - **GQA 8B-class** (Llama-3-8B-like): 32 layers of 8 KV heads, K and V each.
+#
+# <a id="term-hybrid"></a>**The hybrid.** Every chapter calls Kimi-Linear-48B *the hybrid*:
+# three KDA layers for each MLA layer (20 : 7 over 27 layers), the ratio of the Kimi
+# Linear tech report (arXiv:2510.26692, §4 and Figure 3, p. 6; [kimi-report](references.md#kimi-report)).
+# Here the whole model sits on one H200 (`costs.ONE_H200`), so the bytes per device are
+# the model's own; chapter 3 splits models over devices.
+
+# %%
+hy = kimi_linear_48b
+print(f"{hy.name}: MLA layers (1-based) {[i + 1 for i in hy.attn_layers]} of {hy.n_layers}")
+print(f"  per token and layer: a latent of {hy.kv_lora_rank} + a key part of {hy.qk_rope_head_dim} numbers "
+      f"for {hy.n_heads} heads")
+print(f"{gqa_8b.name}: {gqa_8b.n_layers} layers, {gqa_8b.attn_kv_heads_eff} KV heads of {gqa_8b.attn_head_dim_eff} "
+      f"dims; hybrid / all-MLA bytes per token {hy_b / mla_b:.4f} (7/27 = {7 / 27:.4f})")
+print(f"hybrid's fixed KDA + conv states (chapter 2): {costs.checkpoint_bytes(hy, one) / 1e6:.1f} MB a request")
+show_table([(cfg.name, len(cfg.attn_layers), costs.kv_bytes_per_token_layer(cfg, one), b, b * 2**17 / 1e9,
+             b * 2**20 / 1e9) for cfg, b in ((hy, hy_b), (all_mla_27, mla_b), (gqa_8b, gqa_b))],
+           ["model", "global layers", "B/token/layer", "B/token", "GB at 128k", "GB at 1M"],
+           formats={"GB at 128k": ".2f", "GB at 1M": ".2f"}, title=f"KV cache bytes (bf16) on {one.describe()}")
+
+# %% [markdown]
+# The hybrid caches 7/27 ≈ 26% of the all-MLA baseline's KV bytes: the tech report's
+# "up to 75% less KV cache" (arXiv:2510.26692, abstract, p. 1;
+# [kimi-report](references.md#kimi-report)) comes from the layer count alone. Plotted to
+# 1M tokens, beside the weights the model must also hold:
+
+# %%
+lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
+weights_48b, weights_8b = costs.device_weight_bytes(hy, one), costs.device_weight_bytes(gqa_8b, one)
+fig, ax = plt.subplots()
+for cfg, key in ((gqa_8b, "gqa"), (all_mla_27, "all-mla"), (kimi_linear_48b, "hybrid")):
+    ax.loglog(lengths, [costs.request_bytes(cfg, one, int(n))["kv"] / 1e9 for n in lengths], **plots.style_of(key))
+for w, style, size in ((weights_48b, "--", "48B"), (weights_8b, ":", "8B")):
+    ax.axhline(w / 1e9, linestyle=style, color=plots.color("weights"),
+               label=f"{plots.label('weights')}, {size} bf16 ({w / 1e9:.0f} GB)")
+ax.set_xlabel("context length (tokens)")
+ax.set_ylabel("KV cache of ONE request (GB)")
+ax.set_title(f"KV cache bytes vs context (bf16), whole model on one device ({one.name})")
+ax.legend(loc="lower right")
+plots.save(fig, "ch01-kv-bytes")
+plt.show()
+print(f"a {gqa_8b.name} request's cache equals its {weights_8b / 1e9:.0f} GB of weights at {weights_8b / gqa_b:,.0f} tokens")
+for cfg in (all_mla_27, kimi_linear_48b):
+    w = costs.device_weight_bytes(cfg, one)
+    print(f"{cfg.name} at 1M tokens: one request's cache = {costs.request_bytes(cfg, one, M)['kv'] / w:.3f} x "
+          f"the {w / 1e9:.0f} GB of weights")
+
+# %% [markdown]
+# *Takeaway* (whole model on one device): one GQA-8B request passes its model's entire
+# 16 GB of weights near 123k tokens; at 1M tokens one all-MLA request needs a third of
+# the 48B model's weights (0.340), the hybrid under a tenth (0.088). The deep dive checks
+# the byte count against real arrays: equal at 1, 100 and 1,000 tokens.
+#
+# ### Deep dive: the byte count against real arrays
+#
+# The runnable `tiny` config on `costs.LOCAL` (this CPU holding the book's reduced model,
+# stored in float64): we fill real `KVCache`s and compare their bytes with the count.
 
 # %%
 tiny_caches = [KVCache(tiny.attn_kv_heads_eff, tiny.attn_head_dim_eff, dtype=tiny.dtype) for _ in tiny.attn_layers]
@@ -335,86 +405,6 @@ show_table(rows, ["tokens", "measured (B)", "analytic (B)", "equal"],
            title=f"tiny: {len(tiny.attn_layers)} global layers, {tiny.attn_kv_heads_eff} KV heads x "
                  f"{tiny.attn_head_dim_eff} dims, {tiny.dtype}, on {costs.LOCAL.name}")
 
-# %% [markdown]
-# Now real shapes (shapes only: no weights are built), cached in bf16, 2 bytes a number.
-# The shapes come from the models' published configurations (sources in
-# [the references](references.md)); the next cell prints them from `kimilab.config`.
-#
-# <a id="term-mla"></a>**MLA** (multi-head *latent* attention) caches, per token and
-# layer, one compressed latent shared by all heads instead of a key and a value per KV
-# head.
-#
-# - **Kimi-Linear-48B-A3B** keeps global attention in 7 of its 27 layers
-#   (`full_attn_layers` in the model's `config.json`, [kimi-config](references.md#kimi-config)).
-#   They are MLA layers: a latent of `kv_lora_rank` numbers plus a decoupled key part of
-#   `qk_rope_head_dim` numbers (not rotated by RoPE: the config sets `mla_use_nope`). Its
-#   other 20 layers are KDA layers with a fixed-size state, the subject of chapter 2.
-# - **All-MLA 27 layers**: the same shapes with MLA in every layer, the full-attention
-#   baseline the tech report compares against.
-# - **GQA 8B-class** (Llama-3-8B-like): 32 layers of 8 KV heads, K and V each.
-#
-# <a id="term-hybrid"></a>**The hybrid.** Every chapter calls Kimi-Linear-48B *the hybrid*:
-# three KDA layers for each MLA layer (20 : 7 over 27 layers), the ratio of the Kimi
-# Linear tech report (arXiv:2510.26692, §4 and Figure 3, p. 6; [kimi-report](references.md#kimi-report)).
-#
-# The regime is `costs.ONE_H200`: the whole model on one device (an H200), so the bytes
-# per device are the model's own. (Split over several devices, a device holds a share of
-# some caches and all of others: chapter 3.)
-
-# %%
-hy = kimi_linear_48b
-print(f"deployment: {one.describe()}")
-print(f"{hy.name}: MLA layers (1-based) {[i + 1 for i in hy.attn_layers]} of {hy.n_layers}")
-print(f"  per token and layer: a latent of {hy.kv_lora_rank} + a decoupled key part of "
-      f"{hy.qk_rope_head_dim} numbers, shared by {hy.n_heads} heads")
-print(f"{gqa_8b.name}: {gqa_8b.n_layers} layers, {gqa_8b.attn_kv_heads_eff} KV heads of "
-      f"{gqa_8b.attn_head_dim_eff} dims")
-ratio = costs.kv_bytes_per_token(kimi_linear_48b, one) / costs.kv_bytes_per_token(all_mla_27, one)
-print(f"hybrid / all-MLA KV bytes per token: {ratio:.4f}  (= 7/27 = {7 / 27:.4f})")
-print(f"hybrid's fixed KDA + conv states (chapter 2), per request: "
-      f"{costs.checkpoint_bytes(kimi_linear_48b, one) / 1e6:.1f} MB")
-rows = []
-for cfg in (kimi_linear_48b, all_mla_27, gqa_8b):
-    b = costs.kv_bytes_per_token(cfg, one)
-    rows.append((cfg.name, len(cfg.attn_layers), costs.kv_bytes_per_token_layer(cfg, one), b,
-                 b * 2**17 / 1e9, b * 2**20 / 1e9))
-show_table(rows, ["model", "global layers", "B/token/layer", "B/token", "GB at 128k", "GB at 1M"],
-           formats={"GB at 128k": ".2f", "GB at 1M": ".2f"},
-           title=f"KV cache bytes (bf16), whole model on one device ({one.name})")
-
-# %% [markdown]
-# The hybrid caches 7/27 ≈ 26% of the all-MLA baseline's KV bytes: the tech report's
-# "up to 75% less KV cache" (arXiv:2510.26692, abstract, p. 1;
-# [kimi-report](references.md#kimi-report)) comes from the layer count alone. Plotted to
-# 1M tokens, beside the weights the model must also hold:
-
-# %%
-lengths = np.unique(np.logspace(np.log10(1024), np.log10(2**20), 40).astype(int))
-weights_48b, weights_8b = costs.device_weight_bytes(kimi_linear_48b, one), costs.device_weight_bytes(gqa_8b, one)
-fig, ax = plt.subplots()
-for cfg, key in ((gqa_8b, "gqa"), (all_mla_27, "all-mla"), (kimi_linear_48b, "hybrid")):
-    kv = np.array([costs.request_bytes(cfg, one, int(n))["kv"] for n in lengths]) / 1e9
-    ax.loglog(lengths, kv, **plots.style_of(key))
-for w, style, size in ((weights_48b, "--", "48B"), (weights_8b, ":", "8B")):
-    ax.axhline(w / 1e9, linestyle=style, color=plots.color("weights"),
-               label=f"{plots.label('weights')}, {size} bf16 ({w / 1e9:.0f} GB)")
-ax.set_xlabel("context length (tokens)")
-ax.set_ylabel("KV cache of ONE request (GB)")
-ax.set_title(f"KV cache bytes vs context (bf16), whole model on one device ({one.name})")
-ax.legend(loc="lower right")
-plots.save(fig, "ch01-kv-bytes")
-plt.show()
-print(f"one {gqa_8b.name} request's KV cache equals its {weights_8b / 1e9:.0f} GB of weights at "
-      f"{weights_8b / costs.kv_bytes_per_token(gqa_8b, one):,.0f} tokens")
-for cfg in (all_mla_27, kimi_linear_48b):
-    share = costs.request_bytes(cfg, one, M)["kv"] / costs.device_weight_bytes(cfg, one)
-    print(f"{cfg.name} at 1M tokens: one request's KV cache = {share:.3f} x the "
-          f"{costs.device_weight_bytes(cfg, one) / 1e9:.0f} GB of weights (1/{1 / share:.1f})")
-
-# %% [markdown]
-# *Takeaway* (whole model on one device): one GQA-8B request passes its model's entire
-# 16 GB of weights near 123k tokens; at 1M tokens one all-MLA request needs a third of
-# the 48B model's weights (0.340), the hybrid under a tenth (0.088).
 
 # %% [markdown]
 # ## Why the cache, not the weights, limits long-context serving
@@ -422,7 +412,7 @@ for cfg in (all_mla_27, kimi_linear_48b):
 # Two consequences, computed per device of a named deployment. The 48B models run as
 # vLLM's published recipe for Kimi Linear runs them, `costs.DEFAULT_DEPLOYMENT`: tensor
 # parallelism over 4 H200s ([vllm-recipe](references.md#vllm-recipe)); the 8B model on
-# one H200. Device numbers are data-sheet figures; the next cell prints them.
+# one H200. Device numbers are data-sheet figures (the deep dive prints them).
 #
 # 1. **Capacity.** Each device holds its share of the weights and, for every request,
 #    its share of that request's cache. The memory left after the weights (and a
@@ -435,12 +425,6 @@ for cfg in (all_mla_27, kimi_linear_48b):
 #    the whole cache of its request. At long context the cache is most of the bytes.
 
 # %%
-for dep in (node, one):
-    print(f"deployment: {dep.describe()}")
-print(f"48B models on {node.name}: {costs.device_weight_bytes(kimi_linear_48b, node) / 1e9:.0f} GB of "
-      f"weights per device; read per token at batch 1: "
-      f"{costs.device_weight_bytes_read(kimi_linear_48b, node, 1) / 1e9:.1f} GB per device "
-      f"({costs.weight_model(kimi_linear_48b).active_params / 1e9:.0f}B active parameters in all)")
 served = ((kimi_linear_48b, node), (all_mla_27, node), (gqa_8b, one))
 
 
@@ -472,40 +456,45 @@ show_table([(cfg.name, dep.name, costs.max_batch(cfg, dep, 8192), costs.max_batc
 # hybrid on TP4.
 #
 # ### Deep dive: capacity and bytes read across context lengths
+#
+# The deployments, their weights per device, and the full sweep.
 
 # %%
-rows = []
-for cfg, dep in served:
-    crossover = costs.device_weight_bytes_read(cfg, dep, 1) / costs.kv_bytes_per_token(cfg, dep)
-    for n in (8192, 2**17, M):
-        rows.append((cfg.name, dep.name, n, costs.max_batch(cfg, dep, n), cache_share_read(cfg, dep, n),
-                     f"{crossover:,.0f}" if n == 8192 else ""))
-print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cache = "
-      f"{gqa_1m / weights_8b:.1f} x its weights; the device has {one.device.hbm_bytes / 1e9:.0f} GB, "
-      f"of which {costs.cache_budget_bytes(gqa_8b, one) / 1e9:.0f} GB are left for caches")
-show_table(rows, ["model", "deployment", "context", "fit", "cache share read", "equal read at (tokens)"],
-           formats={"context": "d", "cache share read": ".1%"},
+for dep in (node, one):
+    print(f"deployment: {dep.describe()}")
+print(f"48B models on {node.name}: {costs.device_weight_bytes(hy, node) / 1e9:.0f} GB of weights per device")
+print(f"  read per token at batch 1: {costs.device_weight_bytes_read(hy, node, 1) / 1e9:.1f} GB per device "
+      f"({costs.weight_model(hy).active_params / 1e9:.0f}B active parameters in all)")
+print(f"one {gqa_8b.name} request at 1M tokens: {gqa_1m / 1e9:.0f} GB of KV cache = {gqa_1m / weights_8b:.1f} x its "
+      f"weights;")
+print(f"  the device has {one.device.hbm_bytes / 1e9:.0f} GB, of which "
+      f"{costs.cache_budget_bytes(gqa_8b, one) / 1e9:.0f} GB are left for caches")
+crossover = {cfg.name: costs.device_weight_bytes_read(cfg, dep, 1) / costs.kv_bytes_per_token(cfg, dep)
+             for cfg, dep in served}
+print("context at which one request's cache read = the active weights' read (tokens):")
+print("  " + ", ".join(f"{k} {v:,.0f}" for k, v in crossover.items()))
+rows = [(cfg.name, dep.name, n, costs.max_batch(cfg, dep, n), cache_share_read(cfg, dep, n))
+        for cfg, dep in served for n in (8192, 2**17, M)]
+show_table(rows, ["model", "deployment", "context", "fit", "cache share read"],
+           formats={"cache share read": ".1%"},
            title="Requests that fit and the cache's share of bytes read (batch 1), by context")
 
 # %% [markdown]
-# The last column is the context at which one request's cache read equals the active
-# weights' read per device: beyond it, the cache is most of the bytes.
+# Past the context at which one request's cache read equals the active weights' read per
+# device, the cache is most of the bytes a decoded token reads.
 
 # %% [markdown]
 # ## Summary
 #
-# - **Built:** `causal_attention` (softmax attention for the last T of L positions, GQA
-#   by grouping; equal to its loop-by-loop twin), an append-only `KVCache`, and a toy
-#   decoder whose cached decoding equals recomputing the whole prefix (max difference
-#   < 1e-10 in float64).
-# - **Work:** the cache turns per-token work from ~L² into ~L: 5.7 orders of magnitude
-#   less at 1M tokens in the toy.
-# - **Bytes:** per token, layers × (what one layer stores) × bytes per number. With the
-#   whole model on one device, Kimi-Linear-48B's 7 MLA layers store 8,064 B/token, the
-#   all-MLA baseline 31,104 B/token (26%: the tech report's "up to 75% less"), a GQA-8B
-#   model 131,072 B/token.
+# - **Built:** `causal_attention` (GQA by grouping, equal to its loop-by-loop twin), an
+#   append-only `KVCache`, and a toy decoder whose cached decoding equals recomputing the
+#   prefix (max difference < 1e-10 in float64), with ~L work per token instead of ~L²:
+#   5.7 orders of magnitude less at 1M tokens.
+# - **Bytes:** per token, layers × (what one layer stores) × bytes per number. On one
+#   device, Kimi-Linear-48B's 7 MLA layers store 8,064 B/token, all-MLA 31,104 B (26%:
+#   the tech report's "up to 75% less"), GQA-8B 131,072 B.
 # - **Verdict (bytes):** at long context the cache outgrows the weights. On vLLM's TP4
-#   recipe it decides the batch that fits (1,285 hybrid requests at 8k tokens, 11 at 1M)
+#   recipe it sets the batch that fits (1,285 hybrid requests at 8k tokens, 11 at 1M)
 #   and most of the bytes each decoded token reads.
 #
 # **Next chapter:** what do the hybrid's other 20 layers keep instead of a growing cache,
@@ -514,10 +503,9 @@ show_table(rows, ["model", "deployment", "context", "fit", "cache share read", "
 # %% [markdown]
 # ## Exercises
 #
-# Checked exercises come in three cells: the question, a cell where you compute the
-# answer (the student edition, `make student`, leaves it empty for you), and
-# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow
-# the checked ones they extend.
+# A checked exercise is three cells: the question, your computation (empty in the
+# student edition, `make student`), and `verify("N.M", answer)`, which says "correct" or
+# what is off.
 #
 # **1.1 A deeper model without GQA.** Take `gqa_8b`, deepen it from 32 to 48 layers,
 # and give every one of its 32 query heads its own K and V head (plain multi-head
@@ -555,10 +543,9 @@ answer = (costs.device_weight_bytes(all_mla_27, costs.ONE_H200)
 verify("1.3", answer)
 
 # %% [markdown]
-# **1.4 (open, ~45 min)** `causal_attention` processes queries in blocks
-# (`query_block`). Time a prefill of 4,096 tokens with blocks of 16, 256 and 4,096, and
-# check the outputs stay equal. What limits the largest block? (Hint: the score array is
-# H × block × L.)
+# **1.4 (open, ~45 min)** Time a 4,096-token prefill through `causal_attention` with
+# `query_block` 16, 256 and 4,096, and check the outputs stay equal. What limits the
+# largest block? (Hint: the score array is H × block × L.)
 #
 # **1.5 (open, ~1 h)** Add a sliding window to the cache: keep only the last W tokens.
 # Which outputs change, and which test in `tests/test_attention.py` would you have to
@@ -566,10 +553,9 @@ verify("1.3", answer)
 #
 # **1.6 Eight devices instead of four (predict, then run).** vLLM's recipe also runs the
 # model with tensor parallelism over 8 H200s (`costs.VLLM_TP8_H200`). Each device keeps
-# 90% of its HBM for the engine, of which its share of the weights and a 4 GB activation
-# reserve are not cache. First predict: with twice the devices, do about twice as many
-# all-MLA requests of 131,072 tokens fit as on the 4-device recipe? Think about what one
-# device holds of each request, write your guess down, then compute how many fit.
+# 90% of its HBM for the engine, less its share of the weights and a 4 GB activation
+# reserve. Predict first: do twice as many all-MLA requests of 131,072 tokens fit as on
+# 4 devices? (What does one device hold of each request?) Then compute how many fit.
 
 # %% tags=["solution"]
 tp8 = costs.VLLM_TP8_H200

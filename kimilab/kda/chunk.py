@@ -260,12 +260,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, chunk_size: int 
     A short last chunk is zero-padded (k = v = beta = g = 0 leaves the state untouched).
     Decays exp(G_x - G_y) below _FLUSH (float32 1e-10, float64 ~1e-154) are flushed to 0.
     """
-    q, k, v, g, beta, S0, batched, (B, T, H, K, V), dtype = check_sequence(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, S0, batched, (B, T, H, K, V), dtype = check_sequence(
+        q, k, v, g, beta, initial_state)
     scale = resolve_scale(scale, K)
     C = check_int("chunk_size", chunk_size, 1)
     N = max(1, -(-T // C))
     decaying = bool(g.size == 0 or g.max() <= 0)
-    S = np.zeros((B * H, K, V), dtype) if S0 is None else S0.reshape(B * H, K, V).astype(dtype, copy=True)
+    S = (np.zeros((B * H, K, V), dtype) if S0 is None
+         else S0.reshape(B * H, K, V).astype(dtype, copy=True))
     o = np.empty((B, N, C, H, V), dtype)
     G = _chunk_cumsum(g, C)
     for c0, c1 in _slabs(N, B * H):

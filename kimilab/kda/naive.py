@@ -39,13 +39,15 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, chunk_size
     v = _one_head("v", v, (T, None))
     V = v.shape[1]
     beta = _one_head("beta", beta, (T,))
-    S = np.zeros((K, V)) if initial_state is None else _one_head("initial_state", initial_state, (K, V)).copy()
+    S = np.zeros((K, V)) if initial_state is None else \
+        _one_head("initial_state", initial_state, (K, V)).copy()
     scale = resolve_scale(scale, K)
     C = check_int("chunk_size", chunk_size, 1)
     o = np.zeros((T, V))
     for start in range(0, T, C):
-        Q, Kc, Vc, b = scale * q[start:start + C], k[start:start + C], v[start:start + C], beta[start:start + C]
-        G = np.cumsum(g[start:start + C], axis=0)  # G[i] = g_0 + ... + g_i: decay from chunk start to row i
+        rows = slice(start, start + C)
+        Q, Kc, Vc, b = scale * q[rows], k[rows], v[rows], beta[rows]
+        G = np.cumsum(g[rows], axis=0)  # G[i] = g_0 + ... + g_i: decay from chunk start to row i
         c = len(Kc)
 
         # Akk[i, j] = sum_d k_id k_jd exp(G_id - G_jd) for j < i: what row j's write shows at row i
@@ -65,7 +67,7 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, chunk_size
 
         W = Tm @ (np.exp(G) * Kc)  # [c, K]: how the state entering the chunk shifts each write
         U = Tm @ Vc  # [c, V]: the writes if the chunk started from a zero state
-        V_new = U - W @ S  # [c, V]: the values actually written, u_i = beta_i (v_i - (D_i S_{i-1})^T k_i)
+        V_new = U - W @ S  # [c, V]: the values actually written, the rows u_i
 
         # o_i = S_i^T q_i = (exp(G_i) q_i)^T S + sum_{j<=i} Aqk[i, j] V'_j
         for i in range(c):

@@ -38,7 +38,8 @@ def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None):
 
     Vectorised over batch and heads; the only Python loop is over time.
     """
-    q, k, v, g, beta, S0, batched, (B, T, H, K, V), dtype = check_sequence(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, S0, batched, (B, T, H, K, V), dtype = check_sequence(
+        q, k, v, g, beta, initial_state)
     scale = resolve_scale(scale, K)
     S = np.zeros((B, H, K, V), dtype) if S0 is None else S0.astype(dtype, copy=True)
     decay = np.exp(g)

@@ -37,7 +37,8 @@ def segment_transition(k, v, g, beta, chunk_size: int = 64):
     ``[S | M]`` starting from ``[0 | I]`` (the M columns see U = 0). Queries never
     touch the state, so none are needed.
     """
-    _, k, v, g, beta, _, batched, (B, T, H, K, V), dtype = check_sequence(None, k, v, g, beta, None, ref="k")
+    _, k, v, g, beta, _, batched, (B, T, H, K, V), dtype = check_sequence(
+        None, k, v, g, beta, None, ref="k")
     C = check_int("chunk_size", chunk_size, 1)
     N = max(1, -(-T // C))
     decaying = bool(g.size == 0 or g.max() <= 0)
