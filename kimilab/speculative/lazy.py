@@ -63,7 +63,8 @@ class LazyRingRollback(Rollback):
             "ring_len", ring_len, 1, unit="entries")
         if self.ring_len < self.max_nodes:
             raise ValueError(f"ring_len={self.ring_len}: a ring shorter than a verify of max_nodes="
-                             f"{self.max_nodes} positions cannot hold it; use ring_len >= {self.max_nodes}")
+                             f"{self.max_nodes} positions cannot hold it; "
+                             f"use ring_len >= {self.max_nodes}")
         self.layout = entry_layout(config)
         self.history = config.conv_kernel - 1
         self._entries: ScratchSlots | None = None
@@ -93,15 +94,18 @@ class LazyRingRollback(Rollback):
         if self.cursor == 0:
             return {i: cache.kda_state(i) for i in self.config.kda_layers}
         e = self.layout.unpack(self._entries.read(self._at(0, self.cursor)))
-        return {i: fold(cache.kda_state(i), e["d", i], e["k", i], e["g", i]) for i in self.config.kda_layers}
+        return {i: fold(cache.kda_state(i), e["d", i], e["k", i], e["g", i])
+                for i in self.config.kda_layers}
 
     def _current(self, cache: CacheProtocol) -> CacheProtocol:
         if self._entries is None:
             self._entries = ScratchSlots(self.pool, self.layout, self.ring_len, owner=self.owner)
-            self._convs = ConvRing(self.config, self.pool, self.max_nodes + self.history, owner=self.owner)
+            self._convs = ConvRing(self.config, self.pool, self.max_nodes + self.history,
+                                   owner=self.owner)
             self._convs.seed(cache)
         states = self._folded(cache)
-        self.last_history, self.last_flush = self.cursor, self.cursor + self.max_nodes > self.ring_len
+        self.last_history = self.cursor
+        self.last_flush = self.cursor + self.max_nodes > self.ring_len
         if self.last_flush:  # the next verify would not fit: write back
             for i, S in states.items():
                 cache.set_kda_state(i, S)
@@ -119,7 +123,8 @@ class LazyRingRollback(Rollback):
         n, arrays = self._n, {}
         for i in self.config.kda_layers:
             cap = captures[i]
-            _, d = tree_kda(cap.q, cap.k, cap.v, cap.g, cap.beta, self._window, view.base.kda_state(i))
+            _, d = tree_kda(cap.q, cap.k, cap.v, cap.g, cap.beta, self._window,
+                            view.base.kda_state(i))
             arrays["d", i], arrays["k", i], arrays["g", i] = d, cap.k, cap.g
         self._entries.write(self._at(self.cursor, n), self.layout.pack(arrays, n))
         self._convs.write(captures, n)
@@ -137,7 +142,8 @@ class LazyRingRollback(Rollback):
         if self._entries is None:
             return
         states = self._folded(cache)
-        cache.truncate(cache.seq_len, checkpoint_at(self.config, cache.seq_len, states, self._convs.state()))
+        ckpt = checkpoint_at(self.config, cache.seq_len, states, self._convs.state())
+        cache.truncate(cache.seq_len, ckpt)
         self._state_traffic += self._ckpt_bytes
         self.origin, self.cursor = (self.origin + self.cursor) % self.ring_len, 0
 

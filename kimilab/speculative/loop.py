@@ -139,11 +139,13 @@ def _check_tree(tree, shape: tuple, vocab: int) -> DraftTree:
     return tree
 
 
-def speculative_generate(model: Model, prompt_tokens: Sequence[int], max_new_tokens: int, drafter: Drafter,
-                         k: int, rollback: str = "snapshot", cache: CacheProtocol | None = None, *,
+def speculative_generate(model: Model, prompt_tokens: Sequence[int], max_new_tokens: int,
+                         drafter: Drafter, k: int, rollback: str = "snapshot",
+                         cache: CacheProtocol | None = None, *,
                          tree: Sequence[int] | None = None, window: int | None = None,
                          ring_len: int | None = None,
-                         on_step: Callable[[CacheProtocol, StepStats], None] | None = None) -> SpecResult:
+                         on_step: Callable[[CacheProtocol, StepStats], None] | None = None,
+                         ) -> SpecResult:
     """Greedy speculative decoding of ``max_new_tokens`` tokens; equals ``model.generate`` token for token.
 
     ``drafter`` proposes up to ``k`` tokens per step, or with ``tree`` (children per node at
@@ -157,7 +159,8 @@ def speculative_generate(model: Model, prompt_tokens: Sequence[int], max_new_tok
     if not isinstance(model, Model):
         raise ValueError(f"model: expected a kimilab.model.Model, got {type(model).__name__}")
     if not isinstance(drafter, Drafter):
-        raise ValueError(f"drafter: expected a kimilab.speculative.Drafter, got {type(drafter).__name__}")
+        raise ValueError(f"drafter: expected a kimilab.speculative.Drafter, "
+                         f"got {type(drafter).__name__}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     k = check_int("k", k, 1, unit="draft tokens per step")
     check_choice("rollback", rollback, ROLLBACKS)
@@ -202,9 +205,10 @@ def speculative_generate(model: Model, prompt_tokens: Sequence[int], max_new_tok
             held = strategy.held_bytes
             strategy.restore(cache, path[:len(new)])
             out += new
-            stats = StepStats(position, len(window_tokens) - 1, min(len(path) - 1, len(new)), len(new), held,
-                              pool.stats().pages_by_kind["scratch"], strategy.moved_bytes - moved,
-                              strategy.last_history, strategy.last_flush, tuple(path[:len(new)]))
+            stats = StepStats(position, len(window_tokens) - 1, min(len(path) - 1, len(new)),
+                              len(new), held, pool.stats().pages_by_kind["scratch"],
+                              strategy.moved_bytes - moved, strategy.last_history,
+                              strategy.last_flush, tuple(path[:len(new)]))
             steps.append(stats)
             if on_step is not None:
                 on_step(strategy.peek(cache), stats)

@@ -105,7 +105,8 @@ class ReplayRollback(StepSlotsRollback):
         rec = self.layout.unpack(self._slots.read(path))
         self._state_traffic += self._ckpt_bytes  # the replay reads the committed state
         states = _replay(self.config, cache, rec)
-        convs = {i: conv_after(cache.conv_state(i), rec["conv", i], len(path)) for i in self.config.kda_layers}
+        convs = {i: conv_after(cache.conv_state(i), rec["conv", i], len(path))
+                 for i in self.config.kda_layers}
         self._set(cache, path, states, convs)
         self.close()
 
@@ -121,13 +122,15 @@ class RingRollback(Rollback):
     def __init__(self, config: ModelConfig, pool: PagePool, k: int, window: int | None = None,
                  owner=None, *, max_nodes=None) -> None:
         super().__init__(config, pool, k, owner, max_nodes=max_nodes)
-        self.window = self.max_nodes if window is None else check_int("window", window, 1, unit="positions")
+        self.window = (self.max_nodes if window is None
+                       else check_int("window", window, 1, unit="positions"))
         if self.window < self.max_nodes:
-            raise ValueError(f"window={self.window}: a ring of {self.window} positions cannot hold a verify "
-                             f"of k+1={self.max_nodes} positions (k={self.k}); use window >= k+1"
-                             if self.max_nodes == self.k + 1 else
-                             f"window={self.window}: a ring of {self.window} positions cannot hold a verify "
-                             f"of max_nodes={self.max_nodes} positions; use window >= max_nodes")
+            ring = f"window={self.window}: a ring of {self.window} positions cannot hold a verify"
+            if self.max_nodes == self.k + 1:
+                raise ValueError(f"{ring} of k+1={self.max_nodes} positions (k={self.k}); "
+                                 "use window >= k+1")
+            raise ValueError(f"{ring} of max_nodes={self.max_nodes} positions; "
+                             "use window >= max_nodes")
         self.history = config.conv_kernel - 1
         self.conv_slots_n = self.window + self.history
         self.layout = record_layout(config, with_conv=False)
@@ -167,12 +170,14 @@ class RingRollback(Rollback):
             raise ValueError(f"a verify of {n} positions overflows the ring window={self.window}")
         if self._records is None:
             self._open(view.base)
-        self._records.write(np.arange(n), self.layout.pack(_records(self.config, captures, False), n))
+        records = _records(self.config, captures, False)
+        self._records.write(np.arange(n), self.layout.pack(records, n))
         self._convs.write(captures, n)
 
     def _restore(self, cache: CacheProtocol, path: list[int]) -> None:
         rec = self.layout.unpack(self._records.read(path))
-        self._state_traffic += self._ckpt_bytes - self.history * self._convs.layout.nbytes  # KDA states only
+        # the replay reads the committed KDA states (the conv state is in the ring)
+        self._state_traffic += self._ckpt_bytes - self.history * self._convs.layout.nbytes
         states = _replay(self.config, cache, rec)
         self._convs.commit(path)  # the conv rollback: a pointer move
         self._set(cache, path, states, self._convs.state())

@@ -280,7 +280,8 @@ class StepSlotsRollback(Rollback):
     them after ``restore``. What a slot holds is the subclass's: its ``_layout`` and the
     ``_arrays`` it packs from a verify (snapshots hold states, replay holds records)."""
 
-    def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *, max_nodes=None) -> None:
+    def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *,
+                 max_nodes=None) -> None:
         super().__init__(config, pool, k, owner, max_nodes=max_nodes)
         self.layout = self._layout(config)
         self._slots: ScratchSlots | None = None

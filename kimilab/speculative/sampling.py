@@ -39,7 +39,8 @@ def softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
-def accept_sampled(drafts: Sequence[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+def accept_sampled(drafts: Sequence[int], q: np.ndarray, p: np.ndarray,
+                   rng: np.random.Generator) -> tuple[int, int]:
     """(j, next token): drafts d_1..d_j accepted, then one token from the residual or from p.
 
     ``q`` [k, vocab]: the drafter's distribution at each draft; ``p`` [k+1, vocab]: the

@@ -34,7 +34,8 @@ class SlotRollback(Rollback):
 
     name = "slot"
 
-    def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *, max_nodes=None) -> None:
+    def __init__(self, config: ModelConfig, pool: PagePool, k: int, owner=None, *,
+                 max_nodes=None) -> None:
         super().__init__(config, pool, k, owner, max_nodes=max_nodes)
         self.layout = checkpoint_layout(config)
         self._slots: ScratchSlots | None = None  # slots 1 .. max_nodes - 1
@@ -65,7 +66,8 @@ class SlotRollback(Rollback):
 
     def _save(self, view: VerifyView, captures: dict) -> None:
         n = self._n
-        arrays = snapshot_arrays(self.config, view.base, captures, self._window)  # from the live state
+        # every position's state, from the live state
+        arrays = snapshot_arrays(self.config, view.base, captures, self._window)
         if self._slots is None:
             self._slots = ScratchSlots(self.pool, self.layout, self.max_nodes - 1, owner=self.owner)
         cache = view.base.base if isinstance(view.base, StateView) else view.base
@@ -74,7 +76,8 @@ class SlotRollback(Rollback):
             cache.set_conv_state(i, arrays["conv", i][0])
         self._state_traffic += self._ckpt_bytes
         if n > 1:
-            self._slots.write(np.arange(n - 1), self.layout.pack({key: a[1:] for key, a in arrays.items()}, n - 1))
+            rest = {key: a[1:] for key, a in arrays.items()}
+            self._slots.write(np.arange(n - 1), self.layout.pack(rest, n - 1))
 
     def _restore(self, cache: CacheProtocol, path: list[int]) -> None:
         self.live = path[-1]  # the whole rollback: remember which slot is live

@@ -53,9 +53,11 @@ def tree_kda(q, k, v, g, beta, tree, state, scale=None) -> tuple[np.ndarray, np.
     diff = G[:, None] - G[None, :]  # [i, j, H, K]; masked BEFORE exp (off-path entries may be > 0)
     E_strict = np.exp(np.where(strict[:, :, None, None], diff, -np.inf))
     E_anc = np.exp(np.where(anc[:, :, None, None], diff, -np.inf))
-    A = np.einsum("ihd,jhd,ijhd->hij", k, k, E_strict) * beta.T[:, :, None]  # beta_i k_i.k_j decayed
+    # beta_i k_i.k_j decayed
+    A = np.einsum("ihd,jhd,ijhd->hij", k, k, E_strict) * beta.T[:, :, None]
     eye = np.eye(n, dtype=k.dtype)
-    T = np.linalg.solve(eye + A, np.broadcast_to(eye, A.shape)) * beta.T[:, None, :]  # (I + A)^-1 diag(beta)
+    # (I + A)^-1 diag(beta)
+    T = np.linalg.solve(eye + A, np.broadcast_to(eye, A.shape)) * beta.T[:, None, :]
     eG = np.exp(G)
     W = T @ (eG * k).transpose(1, 0, 2)  # [H, n, K]
     U = T @ v.transpose(1, 0, 2)  # [H, n, V]

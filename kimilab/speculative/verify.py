@@ -95,7 +95,8 @@ class VerifyView(KVDelegate):
                                MappingProxyType(dict(self._conv)))
 
 
-def verify(model: Model, window: list[int], cache: CacheProtocol) -> tuple[np.ndarray, dict, VerifyView]:
+def verify(model: Model, window: list[int],
+           cache: CacheProtocol) -> tuple[np.ndarray, dict, VerifyView]:
     """Run ``window`` through ``model`` in one chunked forward on top of ``cache``.
 
     Returns (logits [len(window), vocab], the capture dict {KDA layer: KDACapture}, the
