@@ -147,6 +147,19 @@ def test_m_flushes_with_random_keys_and_lives_with_low_rank_keys_and_a_slow_gate
         regime_inputs(8, 1, 8, 8, seed=0, keys="low-rank", key_rank=9)
 
 
+def test_memoised_helpers_match_what_they_summarise():
+    """Chapter 9's key results call these; they must equal the loops they replace."""
+    life = cp.regime_lifetimes(1024, 1, 16, seed=0, block=256)
+    assert list(life) == [(k, g) for k in ("random", "low-rank") for g in ("kimi-init", "slow")]
+    (_, k, v, g, beta), _ = regime_inputs(1024, 1, 16, 8, seed=0, keys="low-rank", gate="slow")
+    tokens, top = m_lifetime(k, v, g, beta, block=256)
+    assert np.array_equal(life["low-rank", "slow"][0], tokens) and np.array_equal(life["low-rank", "slow"][1], top)
+    assert cp.regime_lifetimes(1024, 1, 16, seed=0, block=256) is life  # memoised
+    with pytest.raises(ValueError):
+        life["random", "slow"][1][0] = 1.0  # read-only: the cache is shared
+    assert cp.worst_cp_difference(130, 1, 4, 3, seed=0, ranks=(2, 3), ragged=(0, 1, 65)) <= 1e-10
+
+
 def test_needed_scheme_sends_only_the_neighbours_state_once_m_has_flushed():
     (q, k, v, g, beta), _ = regime_inputs(12_288, 2, 32, 16, seed=1, regime="flushed", dtype=np.float32)
     o, S = kda.chunk_kda(q, k, v, g, beta)

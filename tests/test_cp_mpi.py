@@ -86,7 +86,7 @@ def test_repeats_alternate_both_runs_and_report_medians():
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_whole_model_prefill_with_large_ring_messages(ranks, layout):
-    """`cp --model tiny` (chapter 9's exercise 9.6 path): every global layer's ring attention sends a
+    """`cp --model tiny` (the path chapter 9's mpiexec section points to): every global layer's ring attention sends a
     key/value block of >= 64 KB, past MPICH's eager limit, in a ring where every rank sends before
     it receives; every KDA layer passes its state; with --layout zigzag every global layer also
     re-deals its input and output (two all-to-alls). Same logits as one rank, no hang."""

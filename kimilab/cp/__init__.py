@@ -15,12 +15,13 @@
 """
 
 from kimilab.cp.comm import LocalComm, MPIComm, payload_bytes, run_local
-from kimilab.cp.kda_cp import METHODS, SCHEMES, check_agreement, context_parallel_kda, cp_kda_rank, fold_states
+from kimilab.cp.kda_cp import (METHODS, SCHEMES, check_agreement, context_parallel_kda, cp_kda_rank, fold_states,
+                               worst_cp_difference)
 from kimilab.cp.costs import cp_link, kda_layer_verdict, predicted_speedup, ring_attention_bytes, scheme_costs
 from kimilab.cp.ladder import RUNGS, ladder_cp, ladder_reference
 from kimilab.cp.model_costs import SCHEDULES, model_cp_prefill
 from kimilab.cp.prefill import context_parallel_prefill, cp_prefill_rank
-from kimilab.cp.regimes import REGIMES, lifetime_tokens, m_lifetime, regime_inputs
+from kimilab.cp.regimes import REGIMES, lifetime_tokens, m_lifetime, regime_inputs, regime_lifetimes
 from kimilab.cp.ring import merge_partials, partial_attention, ring_attention_rank
 from kimilab.cp.split import balanced_weights, cut_points, slices, split_bounds
 from kimilab.cp.zigzag import LAYOUTS, causal_work, contiguous_layout, relayout, zigzag_layout
@@ -28,11 +29,12 @@ from kimilab.cp.zigzag import LAYOUTS, causal_work, contiguous_layout, relayout,
 __all__ = [
     "LocalComm", "MPIComm", "payload_bytes", "run_local",
     "SCHEMES", "METHODS", "check_agreement", "context_parallel_kda", "cp_kda_rank", "fold_states",
+    "worst_cp_difference",
     "balanced_weights", "cut_points", "slices", "split_bounds",
     "predicted_speedup", "kda_layer_verdict", "cp_link", "ring_attention_bytes", "scheme_costs",
     "SCHEDULES", "model_cp_prefill",
     "RUNGS", "ladder_cp", "ladder_reference",
-    "REGIMES", "regime_inputs", "m_lifetime", "lifetime_tokens",
+    "REGIMES", "regime_inputs", "m_lifetime", "lifetime_tokens", "regime_lifetimes",
     "merge_partials", "partial_attention", "ring_attention_rank",
     "LAYOUTS", "contiguous_layout", "zigzag_layout", "relayout", "causal_work",
     "context_parallel_prefill", "cp_prefill_rank",

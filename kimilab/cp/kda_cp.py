@@ -13,6 +13,8 @@ schemes of :data:`SCHEMES`; ``relay`` instead runs the slices one after another.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kimilab.cp.comm import run_local
@@ -21,7 +23,8 @@ from kimilab.kda import chunk_kda, compose_transitions
 from kimilab.kda.affine import apply_affine_outputs, chunk_kda_affine
 from kimilab.kda.prepared import prepare_kda, prepared_transition, run_prepared
 
-__all__ = ["SCHEMES", "METHODS", "cp_kda_rank", "context_parallel_kda", "check_agreement", "fold_states"]
+__all__ = ["SCHEMES", "METHODS", "cp_kda_rank", "context_parallel_kda", "check_agreement", "fold_states",
+           "worst_cp_difference"]
 
 SCHEMES = {
     "sequential": "rank r waits for rank r-1's final state, then sends its own: P-1 steps in a chain",
@@ -76,7 +79,8 @@ def fold_states(transitions, S0=None, dtype=None):
 def _local(comm, q, k, v, g, beta, scale, initial_state, chunk_size, method):
     """This rank's pass before it knows its entering state: (transition, finish(S_in) -> (o, S_out))."""
     if comm.rank == 0:
-        o, S = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+        o, S = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         chunk_size=chunk_size)
         return (np.zeros(S.shape[:-1] + (S.shape[-2],), S.dtype), S), (lambda _S_in: (o, S))
     if method == "kcp":
         prepared = prepare_kda(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)
@@ -165,9 +169,11 @@ def cp_kda_rank(comm, q, k, v, g, beta, *, scale=None, initial_state=None, chunk
         if method not in METHODS:
             raise ValueError(f"method={method!r}: expected one of {sorted(METHODS)}")
         q, k, v, g, beta = (np.asarray(x) for x in (q, k, v, g, beta))
-        if k.ndim != 3 or v.ndim != 3 or q.shape != k.shape or g.shape != k.shape or beta.shape != k.shape[:2]:
-            raise ValueError(f"expected q, k, g [T, H, K], v [T, H, V], beta [T, H]; got q {q.shape}, "
-                             f"k {k.shape}, v {v.shape}, g {g.shape}, beta {beta.shape}")
+        if (k.ndim != 3 or v.ndim != 3 or q.shape != k.shape or g.shape != k.shape
+                or beta.shape != k.shape[:2]):
+            raise ValueError("expected q, k, g [T, H, K], v [T, H, V], beta [T, H]; "
+                             f"got q {q.shape}, k {k.shape}, v {v.shape}, g {g.shape}, "
+                             f"beta {beta.shape}")
         shapes = (k.shape[1], k.shape[2], v.shape[2], k.dtype.name, k.shape[0])
     except (ValueError, TypeError) as exc:
         error = str(exc)
@@ -196,3 +202,29 @@ def context_parallel_kda(q, k, v, g, beta, *, ranks: int | None = None, bounds=N
     results, comms = run_local(len(parts), rank_fn)
     o = np.concatenate([o for o, _ in results], axis=0)
     return o, results[-1][1], comms
+
+
+@functools.lru_cache(maxsize=8)
+def worst_cp_difference(T: int, H: int, K: int, V: int, *, seed: int, ranks: tuple = (1, 2, 3, 5, 8),
+                        ragged: tuple = (0, 1, 40, 41)) -> float:
+    """Largest |difference| from one rank, over every scheme, method and cut (float64, seeded inputs).
+
+    Seeded ``random_inputs`` of ``T`` tokens with an initial state; for each of :data:`SCHEMES`
+    and :data:`METHODS`, :func:`context_parallel_kda` cut evenly into each P of ``ranks`` and at
+    the cut points ``ragged + (T,)`` (a slice of one token, one shorter than a chunk), compared
+    with ``chunk_kda`` on one rank: outputs and final state. Memoised (chapter 9's key results
+    and its exactness check share one computation).
+    """
+    from kimilab.kda.testing import random_inputs
+
+    (q, k, v, g, beta), S0 = random_inputs(T, H, K, V, seed=seed)
+    o_ref, S_ref = chunk_kda(q, k, v, g, beta, initial_state=S0)
+    cuts = [{"ranks": P} for P in ranks] + [{"bounds": list(ragged) + [T]}]
+    worst = 0.0
+    for scheme in SCHEMES:
+        for method in METHODS:
+            for cut in cuts:
+                o, S, _ = context_parallel_kda(q, k, v, g, beta, **cut, initial_state=S0, scheme=scheme,
+                                               method=method)
+                worst = max(worst, float(np.abs(o - o_ref).max()), float(np.abs(S - S_ref).max()))
+    return worst

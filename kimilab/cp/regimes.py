@@ -12,13 +12,15 @@ gate M survives the whole prompt ("living"). :func:`regime_inputs` draws both ki
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kimilab.kda import compose_transitions, l2_normalize, segment_transition
 from kimilab.kda.testing import GATES, random_inputs
 from kimilab.validate import check_choice, check_int
 
-__all__ = ["KEYS", "REGIMES", "SLOW_RATES", "regime_inputs", "m_lifetime", "lifetime_tokens"]
+__all__ = ["KEYS", "REGIMES", "SLOW_RATES", "regime_inputs", "m_lifetime", "lifetime_tokens", "regime_lifetimes"]
 
 KEYS = {"random": "unit keys drawn uniformly on the sphere: every direction gets written",
         "low-rank": "unit keys in a fixed random subspace of `key_rank` dimensions per head (default K / 4)"}
@@ -83,3 +85,23 @@ def lifetime_tokens(tokens, max_entry, level: float = 1e-10) -> int | None:
     """
     below = np.flatnonzero(np.asarray(max_entry) < level)
     return int(np.asarray(tokens)[below[0]]) if below.size else None
+
+
+@functools.lru_cache(maxsize=8)
+def regime_lifetimes(T: int, H: int, K: int, *, seed: int, V: int = 8, block: int = 256) -> dict:
+    """M's lifetime for every kind of keys and gate: ``{(keys, gate): (tokens, max_entry)}``.
+
+    For each of :data:`KEYS` with Kimi's gate at initialisation and with the slow gate, in that
+    order: :func:`regime_inputs` of ``T`` tokens, then :func:`m_lifetime` over ``block``-token
+    blocks. Memoised (chapter 9's key results and its lifetime plot share one computation), so
+    the returned arrays are read-only.
+    """
+    out = {}
+    for keys in KEYS:
+        for gate in ("kimi-init", "slow"):
+            (_, k, v, g, beta), _ = regime_inputs(T, H, K, V, seed=seed, keys=keys, gate=gate)
+            tokens, top = m_lifetime(k, v, g, beta, block=block)
+            for a in (tokens, top):
+                a.setflags(write=False)
+            out[keys, gate] = (tokens, top)
+    return out

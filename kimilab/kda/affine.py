@@ -40,10 +40,10 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
     S = np.zeros((B * H, K, D), dtype)
     S[:, :, V:] = np.eye(K, dtype=dtype)
     o0 = np.empty((B, N, Cs, H, V), dtype)
-    Qt = np.zeros((B, N, Cs, H, K), dtype)  # rows after M flushed stay 0 (and their pages untouched)
+    Qt = np.zeros((B, N, Cs, H, K), dtype)  # rows after M flushed stay 0 (pages untouched)
     G = _chunk_cumsum(g, Cs)
     for c0, c1 in _slabs(N, B * H):
-        if S.shape[-1] == D and not S[:, :, V:].any():  # M flushed to 0: later chunks no longer see S_in
+        if S.shape[-1] == D and not S[:, :, V:].any():  # M flushed: later chunks don't see S_in
             S = np.ascontiguousarray(S[:, :, :V])
         d = S.shape[-1]
         prep = _prepare_slab(q, k, v, G, beta, c0, c1, Cs, scale, decaying, need_output=True)
@@ -55,7 +55,8 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
         for j in range(n):
             state, v_new = Z[j, :, :K], Z[j, :, K:]
             np.matmul(W[j], state, out=v_new)
-            v_new *= -1  # not np.negative(v, out=v): numpy 2.4 writes the wrong elements of views like this one
+            # not np.negative(v, out=v): numpy 2.4 writes the wrong elements of views like this one
+            v_new *= -1
             v_new[:, :, :V] += U[j]  # V' = [U | 0] - W [S | M]
             if d > V:
                 vm = v_new[:, :, V:]
@@ -64,7 +65,8 @@ def chunk_kda_affine(q, k, v, g, beta, scale=None, chunk_size: int = 64):
             np.matmul(kd[j].swapaxes(-1, -2), v_new, out=nxt)
             nxt += a_last[j] * state
             if d > V:
-                m = nxt[:, :, V:]  # M decays towards 0: flush it before it turns subnormal (BLAS slows ~10x)
+                # M decays towards 0: flush it before it turns subnormal (BLAS slows ~10x)
+                m = nxt[:, :, V:]
                 m *= np.abs(m) >= flush
         o_slab = np.matmul(prep["QA"], Z.reshape(n * B * H, K + Cs, d)).reshape(n, B, H, Cs, d)
         o0[:, c0:c1] = o_slab[..., :V].transpose(1, 0, 3, 2, 4)
