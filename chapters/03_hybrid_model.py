@@ -15,116 +15,125 @@
 # # 3. A reduced hybrid model (3 KDA : 1 global)
 #
 # **What you'll build.** A small Kimi-Linear-style language model that runs on a CPU:
-# eight layers, three *KDA* layers (Kimi Delta Attention, chapter 2) for every
-# *global* softmax-attention layer, a byte-level tokenizer, and the per-request cache
-# such a model needs. You will run the same prompt three ways — prefill in one call,
-# prefill in pieces, one token at a time — and check they agree to rounding error.
+# eight layers, three *KDA* layers (Kimi Delta Attention, chapter 2) for every *global*
+# softmax-attention layer, and the per-request cache it needs. You will run one prompt three
+# ways (prefill whole, prefill in pieces, token by token) and check that they agree.
 #
 # **What you'll learn.**
-# - What a hybrid model must remember per request: a KV cache that grows with the
-#   context for the global layers, and two small fixed-size states (the KDA state
-#   matrix and the short-convolution state) for the KDA layers.
-# - How many bytes that is for the real Kimi-Linear-48B shapes, *per device* of a named
-#   deployment (`costs.Deployment`: vLLM's TP4 recipe on H200, or DP-attention with
-#   expert parallelism), and what fits on a device.
-# - How the book prices a decode step (one forward pass: overhead, collectives, weights,
-#   caches), how that model is calibrated against published GPU measurements, and how
-#   far off it is, row by row.
-# - Where the hybrid beats an all-MLA model (memory from a few hundred tokens, throughput
-#   at long context) and where it does not (its step is slower at short context and
-#   large batch), each verdict with its regime.
-# - Why this mixed cache breaks three things serving engines take for granted with KV
-#   caches: fixed-size pages, prefix sharing and cheap rollback.
+# - What a hybrid model remembers per request: KV that grows with the context for the
+#   global layers, and two small fixed-size states for each KDA layer.
+# - How many bytes that is for the real Kimi-Linear-48B shapes, per device, and from which
+#   context the hybrid holds less than an all-MLA model of the same depth.
+# - Why this mixed cache breaks what serving engines assume of a KV cache.
+# - In deep dives: the GPU deployments, the step-time model and its calibration, and where
+#   the hybrid's step is *slower* than all-MLA's.
 #
 # **What you'll need.** Chapter 1 (KV cache) and chapter 2 (the KDA recurrence and its
-# chunked form). numpy and matplotlib; everything runs in about ten seconds.
+# chunked form); numpy and matplotlib.
+# Reference pages: [glossary](glossary.md), [notation](notation.md), [API](api.md).
 #
-# **Honest scope.** The model is *reduced* (8 layers, d_model 128, 4 heads of 32, dense
-# MLP instead of Kimi Linear's mixture of experts, MHA instead of MLA in the global
-# layers) and *untrained*: its weights are seeded random numbers. Every mechanism is
-# the real one and is checked exactly; the text it writes is meaningless. Its speeds are
-# CPU speeds; the 48B numbers are the cost model's, on named GPU deployments.
+# **Honest scope.** The model is *reduced* (8 layers, d_model 128, dense MLP, MHA instead
+# of MLA) and *untrained*: its weights are seeded random numbers. Every mechanism is the
+# real one and is checked exactly. The 48B numbers come from an analytic cost model.
 
 # %%
-import dataclasses
-
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.colors import TwoSlopeNorm
-from matplotlib.ticker import NullFormatter
-from matplotlib.patches import FancyBboxPatch, Patch
 
 from kimilab import costs, kda, plots
-from kimilab.config import WeightModel, all_mla_27, kimi_linear_48b, tiny
-from kimilab.costs import calibration
+from kimilab.config import all_mla_27, kimi_linear_48b, tiny
 from kimilab.exercises import verify
 from kimilab.model import HybridCache, KDALayer, Model
-from kimilab.notebook import show_source
+from kimilab.notebook import key_results, show_source, show_table
 from kimilab.ops.conv import causal_conv1d, causal_conv1d_step
-from kimilab.timing import best_seconds
-from kimilab.tokenizer import ByteTokenizer
 
 plots.use_style()
+one, tp4, tp8, dp4 = costs.ONE_H200, costs.VLLM_TP4_H200, costs.VLLM_TP8_H200, costs.DP4_EP4_H200
+hy, mla = kimi_linear_48b, all_mla_27
 
 
-def same(a, b, tol=1e-10):
-    """'max |diff| < tol: True' — how this book prints exactness checks."""
+def same(a, b, tol=1e-10):  # how this book prints exactness checks
     diff = float(np.max(np.abs(np.asarray(a) - np.asarray(b)), initial=0.0))
     return f"max |diff| < {tol:.0e}: {diff < tol}"
+
+
+# %%
+# Key results (each number is computed here and derived step by step below)
+fixed, x_one, x_tp4 = (costs.checkpoint_bytes(tiny, costs.LOCAL), costs.crossover_tokens(hy, mla, one),
+                       costs.crossover_tokens(hy, mla, tp4))
+gb = [costs.request_total_bytes(c, one, 131072) / 1e9 for c in (hy, mla)]
+best = [costs.decode_point(c, tp4, 131072) for c in (hy, mla)]  # at the largest batch that fits
+key_results(
+    f"A tiny-model request keeps {fixed / 1024:.1f} KiB of fixed state plus "
+    f"{costs.kv_bytes_per_token(tiny, costs.LOCAL):,} B of KV per token; prefill whole, in pieces or "
+    "token by token gives the same logits.",
+    f"At the 48B shapes the hybrid's states cost {costs.checkpoint_bytes(hy, one) / 1e6:.1f} MB a request, "
+    f"so it holds less cache than all-MLA only from {x_one:,} tokens on (one H200; {x_tp4} on a TP4 device).",
+    f"At 128K tokens a request needs {gb[0]:.2f} GB instead of {gb[1]:.2f} GB: {1 - gb[0] / gb[1]:.1%} less, "
+    f"near the layer-count limit 1 - {len(hy.attn_layers)}/{hy.n_layers}.",
+    f"On vLLM's TP4 recipe {best[0].batch} such requests fit instead of {best[1].batch}, for "
+    f"{best[0].tokens_per_second / best[1].tokens_per_second:.2f}x the modelled decode throughput; "
+    f"the time per token is no shorter ({best[0].step_seconds * 1e3:.0f} ms vs "
+    f"{best[1].step_seconds * 1e3:.0f} ms).",
+)
+
+# %% [markdown]
+# ## The configuration
+#
+# A `ModelConfig` is plain data: one letter per layer (`K` = KDA, `A` = global attention)
+# and the sizes of everything. `tiny` is the model this book runs, in float64.
+# `kimi_linear_48b` has the real shapes of the public Kimi-Linear-48B-A3B config
+# ([kimi-config](references.md#kimi-config)), with the element widths vLLM serves it with
+# ([vllm](references.md#vllm)); it is *shapes only*, for the analytic cost model
+# (`kimilab.costs`), and asking for its weights is an error.
+
+# %%
+def describe(c, dep):  # dep: one device that holds every byte
+    return [c.layer_pattern, c.d_model, f"{c.n_heads} x {c.head_dim}", f"{c.attn_kind}; {c.conv_kernel}",
+            c.vocab_size, costs.weight_model(c).bytes_per_param, f"{c.kv_bytes}, {c.state_bytes}, {c.conv_bytes}",
+            f"{costs.device_weight_bytes(c, dep) / 1e9:.3g}"]
+
+
+try:
+    Model(kimi_linear_48b)
+except ValueError as err:
+    print("Model(kimi_linear_48b) ->", str(err).split(":")[0])
+fields = ["layer pattern", "d_model", "KDA heads x head dim", "global layers; conv kernel", "vocab",
+          "B/elem: weights", "B/elem: KV, state, conv", "weights, whole model (GB)"]
+show_table([(f, str(a), str(b)) for f, a, b in zip(fields, describe(tiny, costs.LOCAL), describe(hy, one))],
+           ["field", "tiny", "kimi_linear_48b"])
+
+# %% [markdown]
+# ## The architecture
+#
+# Each layer is a pre-norm residual block: `h = h + mixer(RMSNorm(h))`, then
+# `h = h + MLP(RMSNorm(h))`. The *mixer* is either a KDA layer or a global attention layer.
+#
+# <a id="term-nope"></a>The global layers use no positional encoding (*NoPE*), as Kimi
+# Linear's MLA layers do: position information comes from the KDA layers' recurrence and
+# their short convolution.
+
+# %%
+model = Model(tiny, seed=0)
+H, K, W = tiny.n_heads, tiny.head_dim, tiny.conv_kernel
+print(model)
+
+# %% [markdown]
+# Six of the eight layers keep a cache whose size never changes; only the two global
+# layers' KV grows with every token. The first deep dive draws the eight layers with what
+# each keeps; the second shows the byte-level tokenizer, 260 ids, and the meaningless text
+# the untrained model writes.
+#
+# ### Deep dive: the eight layers drawn, with what each keeps
+
+# %%
+from matplotlib.patches import FancyBboxPatch, Patch
 
 
 def kib(n):
     return f"{n / 1024:,.1f} KiB"
 
 
-# %% [markdown]
-# ## The configuration
-#
-# A `ModelConfig` is plain data: one letter per layer (`K` = KDA, `A` = global
-# attention) and the sizes of everything. `tiny` is the model this book runs;
-# `kimi_linear_48b` has the real shapes of the public Kimi-Linear-48B-A3B config
-# ([references: kimi-config](references.md#kimi-config); 27 layers, MLA at 1-based layers
-# 4, 8, 12, 16, 20, 24, 27 — 20 KDA : 7 MLA) and is *shapes only*: it feeds the
-# analytic cost model (`kimilab.costs`), and asking for its weights is an error. Its
-# parameter counts (48B total, 3B activated: the tech report's abstract,
-# [kimi-report](references.md#kimi-report)) travel with the config as `cfg.weights`, so a
-# renamed or edited copy keeps them. Element widths are per kind: `tiny` computes and
-# stores everything in float64; the 48B model is served with bf16 weights, KV and conv
-# state, and an fp32 KDA state (the width vLLM uses for KDA's recurrent state,
-# [vllm](references.md#vllm)).
-
-# %%
-whole = {tiny.name: costs.LOCAL, kimi_linear_48b.name: costs.ONE_H200}  # one device: every byte
-rows = [("layer_pattern", lambda c: c.layer_pattern), ("d_model", lambda c: c.d_model),
-        ("KDA heads x head dim", lambda c: f"{c.n_heads} x {c.head_dim}"),
-        ("global layers", lambda c: c.attn_kind), ("conv kernel", lambda c: c.conv_kernel),
-        ("vocab", lambda c: c.vocab_size),
-        ("bytes/elem weights", lambda c: costs.weight_model(c).bytes_per_param),
-        ("bytes/elem KV,state,conv", lambda c: f"{c.kv_bytes},{c.state_bytes},{c.conv_bytes}"),
-        ("weights, whole model (GB)", lambda c: f"{costs.device_weight_bytes(c, whole[c.name]) / 1e9:.3g}")]
-for title, value in rows:
-    print(f"{title:24s} {str(value(tiny)):>10s}   {value(kimi_linear_48b)}")
-
-try:
-    Model(kimi_linear_48b)
-except ValueError as err:
-    print("\nModel(kimi_linear_48b) ->", err)
-
-# %% [markdown]
-# ## The architecture
-#
-# Each layer is a pre-norm residual block: `h = h + mixer(RMSNorm(h))`, then
-# `h = h + MLP(RMSNorm(h))`. The *mixer* is either a KDA layer or a global attention
-# layer. The global layers use no positional encoding (*NoPE*), as Kimi Linear's MLA
-# layers do: position information comes from the KDA layers' recurrence and their short
-# convolution. The figure shows the eight layers of `tiny` and what each keeps between
-# tokens.
-
-# %%
-model = Model(tiny, seed=0)
-print(model)
-
-H, K, W = tiny.n_heads, tiny.head_dim, tiny.conv_kernel
 kda_layer_bytes = costs.kda_state_bytes_per_layer(tiny, costs.LOCAL)
 conv_layer_bytes = costs.conv_state_bytes_per_layer(tiny, costs.LOCAL)
 kv_layer_token = costs.kv_bytes_per_token_layer(tiny, costs.LOCAL)
@@ -163,43 +172,60 @@ plots.save(fig, "ch03-architecture")
 plt.show()
 
 # %% [markdown]
-# Six of the eight layers hold a cache whose size never changes (the orange KDA state
-# and the pink conv state); only the two blue global layers grow with every token.
+# Orange: the KDA state; pink: the conv state, both fixed in size; blue: the global layers,
+# whose K and V rows grow by one per token.
 #
-# ## One KDA layer, step by step
+# ### Deep dive: text in, text out
 #
-# The tech report's §4 (pp. 5–6, Eq. 10; [kimi-report](references.md#kimi-report))
-# fixes the KDA layer: q, k, v projections -> causal depthwise convolution
-# (kernel 4) -> SiLU (Swish) -> L2 norm on q and k; a per-channel forget gate from a
-# low-rank projection (d_model -> head_dim -> H*K), which flash-linear-attention's
-# reference code ([fla](references.md#fla)) writes as
-# `g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`; `beta = sigmoid(b_proj x)`; then
-# the KDA recurrence of chapter 2; then a per-head RMSNorm times a sigmoid output gate,
-# and the output projection. The model's layers are objects with three public steps —
-# `project` (everything per token before the recurrence), `mix` (the recurrence) and
-# `output` — so that later chapters can run them on a slice of a sequence. This is
-# `KDALayer.project`:
+# The tokenizer is byte-level: token ids 0..255 are UTF-8 bytes, and four specials sit above
+# them (`<bos>=256, <eos>=257, <pad>=258, <unk>=259`), 260 ids in all. Any text round-trips
+# exactly. Greedy generation from the untrained model writes bytes with no meaning, which is
+# fine: this book checks mechanisms, not prose.
 
 # %%
-show_source(KDALayer.project)
+import textwrap
+
+from kimilab.tokenizer import ByteTokenizer
+
+tok = ByteTokenizer()
+prompt = tok.encode("Kimi Linear keeps a state, ")
+print(textwrap.fill(f"ids: {prompt}", 100))
+print("round trip:", tok.decode(prompt) == "Kimi Linear keeps a state, ")
+generated = model.generate(prompt, 12)
+print("generated ids:", generated)
+print("as text:", repr(tok.decode(generated)))
 
 # %% [markdown]
-# The short convolution is the one new cache. Channel c of the output at step t mixes
-# channel c of the inputs at steps t-3..t, so to continue a sequence a request must keep
-# its last 3 inputs: a rolling *conv state* of shape `[W-1, C]` with
+# ## One KDA layer, step by step
+#
+# The tech report's §4 (pp. 5–6, Eq. 10; [kimi-report](references.md#kimi-report)) fixes
+# the KDA layer. Per token it projects q, k and v, passes them through a short causal
+# convolution (kernel 4), SiLU and (q, k) an L2 norm, computes a forget gate `g` and a
+# write strength `beta`, runs chapter 2's recurrence, then gates each head and projects
+# back. Its public steps are `project`, `mix` (the recurrence) and `output`.
+#
+# <a id="term-conv-state"></a>The short convolution is the one new cache. Channel c of its
+# output at step t mixes channel c of the inputs at steps t-3..t, so to continue a sequence
+# a request keeps its last 3 inputs: a rolling *conv state* of shape `[W-1, C]`, with
 # `C = 3 * H * K = 384` channels (q, k and v side by side).
 
 # %%
 show_source(causal_conv1d)
 
 # %% [markdown]
-# The sequence form and the one-token twin agree, and cutting a sequence anywhere and
+# The deep dive checks that the sequence form, its one-token twin and a sequence cut
+# anywhere (carrying the state across the cut) agree to 1e-10, and lists the rest of the
+# layer: `KDALayer.project`, with the forget gate as flash-linear-attention writes it, and
+# `KDALayer.output`.
+#
+# ### Deep dive: the conv checked, and the KDA layer's code
+#
+# The sequence form and its one-token twin agree, and cutting a sequence anywhere and
 # carrying the state across the cut changes nothing:
 
 # %%
 rng = np.random.default_rng(3)
-x = rng.standard_normal((20, 6))
-w = rng.standard_normal((6, 4))
+x, w = rng.standard_normal((20, 6)), rng.standard_normal((6, 4))
 y_whole, s_whole = causal_conv1d(x, w)
 y_a, s_a = causal_conv1d(x[:7], w)
 y_b, s_b = causal_conv1d(x[7:], w, s_a)
@@ -207,109 +233,83 @@ state, steps = None, []
 for t in range(20):
     y_t, state = causal_conv1d_step(x[t], w, state)
     steps.append(y_t)
-print("split at 7 == whole:   ", same(np.concatenate([y_a, y_b]), y_whole), "| states equal:", np.array_equal(s_b, s_whole))
+print("split at 7 == whole:", same(np.concatenate([y_a, y_b]), y_whole), "| states equal:",
+      np.array_equal(s_b, s_whole))
 print("20 single steps == whole:", same(np.stack(steps), y_whole))
 
 # %% [markdown]
-# After the recurrence, `KDALayer.output`: normalise each head, gate it, project back.
+# The forget gate comes from a low-rank projection (d_model -> head_dim -> H*K), which
+# flash-linear-attention's reference code ([fla](references.md#fla)) writes as
+# `g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`; `beta = sigmoid(b_proj x)`.
+# `KDALayer.project` does everything per token before the recurrence:
+
+# %%
+show_source(KDALayer.project)
+
+# %% [markdown]
+# After the recurrence, `KDALayer.output`: normalise each head, gate it with a sigmoid,
+# project back.
 
 # %%
 show_source(KDALayer.output)
-
-# %% [markdown]
-# ## Text in, text out
-#
-# The tokenizer is byte-level: token ids 0..255 are UTF-8 bytes, and four specials sit
-# above them (`<bos>=256, <eos>=257, <pad>=258, <unk>=259`), 260 ids in all. Any
-# text round-trips exactly. Greedy generation from the untrained model writes bytes
-# with no meaning — which is fine: this book checks mechanisms, not prose.
-
-# %%
-tok = ByteTokenizer()
-prompt = tok.encode("Kimi Linear keeps a state, ")
-print("ids:", prompt)
-print("round trip:", tok.decode(prompt) == "Kimi Linear keeps a state, ")
-generated = model.generate(prompt, 12)
-print("generated ids:", generated)
-print("as text:", repr(tok.decode(generated)))
 
 # %% [markdown]
 # ## The per-request cache
 #
 # The model reads and writes a request's memory only through a small protocol,
 # `kimilab.model.CacheProtocol` (`kda_state(i)`, `conv_state(i)`, `append_kv(i, k, v)`,
-# `kv(i)`, `advance(n)`, `truncate(n, checkpoint)`, `nbytes_by_kind()`, `clone()`,
-# `checkpoint()`). `HybridCache` implements it with contiguous arrays; chapter 4
-# implements the same protocol on pool pages, and the model does not notice the
-# difference.
+# `kv(i)`, `truncate(n, checkpoint)`, `clone()`, ...). `HybridCache` implements it with
+# contiguous arrays; chapter 4 implements it again on pool pages.
 #
-# Here is the anatomy of one request after 100 tokens, measured from the cache and
-# computed independently by `kimilab.costs` (the analytic model later chapters use for
-# the 48B shapes). `kimilab.costs` counts bytes per device of a named deployment; the
-# reduced model on this CPU is `costs.LOCAL`, one device that holds everything.
+# One request after 100 tokens, measured from the cache and computed independently by
+# `kimilab.costs`, the analytic model that prices the 48B shapes later (`costs.LOCAL` is
+# this CPU: one device that holds everything).
 
 # %%
 cache = model.new_cache()
-model.prefill(rng.integers(0, 256, size=100), cache)
+model.prefill(np.random.default_rng(1).integers(0, 256, size=100), cache)
 measured = cache.nbytes_by_kind()
-analytic = costs.request_bytes(tiny, costs.LOCAL, 100)
 shape = {"kv": f"2 x [T, {tiny.attn_kv_heads_eff}, {tiny.attn_head_dim_eff}]",
          "kda_state": f"[{H}, {K}, {K}]", "conv_state": f"[{W - 1}, {tiny.conv_channels}]"}
-print(f"{'kind':11s} {'layers':>6s}  {'per-layer shape':20s} {'bytes per layer':>22s} "
-      f"{'total at T=100':>15s}  grows with T")
-for row in costs.cache_anatomy(tiny, costs.LOCAL):
-    kind = row["kind"]
-    per = f"{row['bytes_per_layer']:,} B {row['unit']}"
-    print(f"{kind:11s} {row['layers']:6d}  {shape[kind]:20s} {per:>22s} {measured[kind]:>13,} B  "
-          f"{'yes' if row['grows_with_context'] else 'no'}")
-print(f"{'total':11s} {'':6s}  {'':20s} {'':>22s} {cache.nbytes:>13,} B")
-print("measured == kimilab.costs for every kind:", measured == analytic)
-print(f"fixed part (KDA + conv states): {kib(costs.checkpoint_bytes(tiny, costs.LOCAL))}; KV grows by "
-      f"{costs.kv_bytes_per_token(tiny, costs.LOCAL):,} B per token")
+rows = [(r["kind"], r["layers"], shape[r["kind"]], r["bytes_per_layer"], r["unit"], measured[r["kind"]],
+         "yes" if r["grows_with_context"] else "no") for r in costs.cache_anatomy(tiny, costs.LOCAL)]
+rows.append(("total", "", "", "", "", cache.nbytes, ""))
+print("measured == kimilab.costs for every kind:", measured == costs.request_bytes(tiny, costs.LOCAL, 100))
+show_table(rows, ["kind", "layers", "shape per layer", "B per layer", "per", "B at T=100", "grows"],
+           title="One tiny request after 100 tokens")
 
 # %% [markdown]
-# At T = 100 the KV cache of just two layers is already the largest part. The fixed
-# part (KDA + conv states, 246.0 KiB) is what a later chapter has to copy whenever it
-# wants to remember a position.
+# At T = 100 the KV of just two layers is already the largest part, and it grows by
+# 4,096 B a token; the fixed part is 246.0 KiB.
+#
+# <a id="term-state-checkpoint"></a>A *state checkpoint* is a copy of that fixed part at one
+# position of a request. A KV cache never needs one (its rows at a position stay where they
+# are); a hybrid cache does whenever an engine wants to come back to a position.
 #
 # ## Prefill and decode: three ways, one answer
 #
 # - `forward(tokens)`: the whole sequence from scratch, no cache; KDA runs token by token
-#   (`recurrent_kda`), attention over the full sequence.
-# - `prefill(tokens, cache)`: absorb a piece of the prompt on top of whatever the cache
-#   holds; KDA runs in chunks of 64 (`chunk_kda`, chapter 2), each global layer appends
-#   its K and V and attends over everything cached.
-# - `decode(token, cache)`: one token; KDA takes one recurrent step (`kda_step`), the
-#   conv takes one step, attention reads the whole KV cache.
+#   (`recurrent_kda`).
+# - `prefill(tokens, cache)`: absorb a piece of the prompt on top of the cache; KDA runs in
+#   chunks of 64 (`chunk_kda`, chapter 2), each global layer appends its K and V.
+# - `decode(token, cache)`: one token; KDA takes one recurrent step (`kda_step`).
 #
-# All three run the same layer loop; only the KDA kernel (`"recurrent"`, `"chunk"` or
-# `"step"`) and the cache differ:
+# All three run the same layer loop; only the KDA kernel and the cache differ:
 
 # %%
 show_source(Model.run_layers)
 
 # %% [markdown]
-# Each layer object does its part against the cache; here is the KDA layer's:
-
-# %%
-show_source(KDALayer.__call__)
-
-# %% [markdown]
-# We take a 100-token prompt (two chunks: 64 + 36) and compare the logits
-# (scores over the 260 tokens) and the final caches.
+# We take a 100-token prompt (two chunks: 64 + 36) and compare the logits (scores over the
+# 260 tokens) and the final caches.
 
 # %%
 tokens = np.random.default_rng(11).integers(0, 256, size=100)
 reference = model.forward(tokens)
 
-whole = model.new_cache()
+whole, pieces, stepwise = model.new_cache(), model.new_cache(), model.new_cache()
 logits_whole = model.prefill(tokens, whole)
-
-pieces = model.new_cache()
-cuts = [0, 37, 81, 100]
-logits_pieces = np.concatenate([model.prefill(tokens[a:b], pieces) for a, b in zip(cuts[:-1], cuts[1:])])
-
-stepwise = model.new_cache()
+logits_pieces = np.concatenate([model.prefill(tokens[a:b], pieces) for a, b in ((0, 37), (37, 81), (81, 100))])
 logits_steps = np.stack([model.decode(int(t), stepwise) for t in tokens])
 
 
@@ -323,23 +323,36 @@ def cache_diff(a, b):
 print("prefill(whole)      vs forward():", same(logits_whole, reference))
 print("prefill(37+44+19)   vs forward():", same(logits_pieces, reference))
 print("100 x decode()      vs forward():", same(logits_steps, reference))
-print("final caches: pieces vs whole:", f"max |diff| < 1e-10: {cache_diff(pieces, whole) < 1e-10}",
-      "| steps vs whole:", f"max |diff| < 1e-10: {cache_diff(stepwise, whole) < 1e-10}")
+print("final caches, pieces and steps vs whole: max |diff| < 1e-10:",
+      cache_diff(pieces, whole) < 1e-10, cache_diff(stepwise, whole) < 1e-10)
 print("seq_len:", whole.seq_len, pieces.seq_len, stepwise.seq_len)
 
 # %% [markdown]
-# The same holds in float32, to float32's precision:
+# Three ways, one answer, to 1e-10 in float64. The deep dive shows the KDA layer's part of
+# the loop, repeats the check in float32 (to float32's precision) and counts the kernel
+# calls: prefill really runs `chunk_kda` and decode `kda_step`, once per KDA layer.
+#
+# ### Deep dive: the KDA layer against the cache, float32, and which kernel runs
+#
+# Each layer object does its part against the cache; here is the KDA layer's:
+
+# %%
+show_source(KDALayer.__call__)
+
+# %% [markdown]
+# The same check in float32, to float32's precision:
 
 # %%
 model32 = Model(tiny.with_(name="tiny-float32", dtype="float32"), seed=0)
 ref32 = model32.forward(tokens)
 c32 = model32.new_cache()
-got32 = np.concatenate([model32.prefill(tokens[:70], c32), np.stack([model32.decode(int(t), c32) for t in tokens[70:]])])
+got32 = np.concatenate([model32.prefill(tokens[:70], c32),
+                        np.stack([model32.decode(int(t), c32) for t in tokens[70:]])])
 print("float32: prefill(70) + 30 x decode vs forward():", same(got32, ref32, tol=1e-5))
 
 # %% [markdown]
-# Prefill really does use the chunked kernel and decode the recurrent step: we count
-# the calls by wrapping the two functions for one prefill and one decode.
+# Prefill really does use the chunked kernel and decode the recurrent step: we count the
+# calls by wrapping the two functions for one prefill and one decode.
 
 # %%
 counts = {"chunk_kda": 0, "kda_step": 0, "recurrent_kda": 0}
@@ -365,31 +378,110 @@ finally:
 print(counts, f"(one call per KDA layer; {len(tiny.kda_layers)} KDA layers)")
 
 # %% [markdown]
-# ## One named deployment behind every number
+# ## Memory at the 48B scale, per device
 #
-# From here on the book prices the real 48B shapes: bytes, seconds, requests that fit.
-# None of these is a property of the model alone. They depend on how one serving
-# instance runs it: how many devices, which accelerator, how attention and the experts
-# are split over the devices, the links between them, how close the kernels come to the
-# hardware's peaks. `kimilab.costs` puts all of that in one object, a
-# `costs.Deployment`, and every function that returns bytes or seconds takes one, with no
-# default. So every byte below is *per device* of a named deployment, and every time
-# comes from the same deployment.
+# <a id="term-deployment"></a>From here on the book prices the real 48B shapes. Bytes and
+# seconds depend on how one serving instance runs the model, so `kimilab.costs` takes a
+# *deployment* (`costs.Deployment`: the devices, how the work is split over them, the links,
+# the kernels' efficiencies, the engine's memory rules) in every function that returns
+# bytes or seconds. Every byte below is *per device*: of the whole model on one H200
+# (`one-h200`), or of one device of vLLM's published recipe, four H200 with tensor
+# parallelism (`vllm-tp4-h200`, [vllm-recipe](references.md#vllm-recipe)).
 #
-# The default is what users actually run: vLLM's published recipe for
-# Kimi-Linear-48B-A3B, one node with `--tensor-parallel-size 4`, H200 listed as verified
-# ([vllm-recipe](references.md#vllm-recipe)); its other option, TP8, is named too. The
-# second deployment the chapter compares is DP-attention with expert parallelism on the
-# same four devices. Two more serve as references: the whole model on one H200 (the
-# model's own bytes) and what we *assume* the Kimi Linear report measured on (it names
-# no hardware; used only for calibration, below). The reduced model above ran on
-# `costs.LOCAL`, this CPU, which prices bytes only.
+# <a id="term-tensor-parallelism"></a>Under *tensor parallelism* (TP) every layer is split
+# by heads over the devices: a TP4 device holds a quarter of each KDA state, but the whole
+# MLA latent (which all heads share) of every request.
+#
+# Per token, each of the 7 MLA layers caches a 512-wide latent plus 64 more dims in bf16:
+# 1,152 B. Each of the 20 KDA layers holds a `32 x 128 x 128` fp32 state (2 MiB) and a
+# `3 x 12,288` bf16 conv state. The baseline, `all_mla_27`, has 27 MLA layers. One request:
 
 # %%
-named = [costs.VLLM_TP4_H200, costs.VLLM_TP8_H200, costs.DP4_EP4_H200, costs.ONE_H200, costs.REPORT_TP8_H800]
+kimi_bf16_state = hy.with_(name="kimi_linear_48b (bf16 state)", state_bytes=2)
+rows = []
+for dep, cfg in [(one, hy), (one, kimi_bf16_state), (one, mla), (tp4, hy), (tp4, mla), (tp8, hy), (dp4, hy)]:
+    gb = [costs.request_total_bytes(cfg, dep, n) / 1e9 for n in (131072, 1048576)]
+    saved = [f"{1 - g / (costs.request_total_bytes(mla, dep, n) / 1e9):.1%}" for g, n in zip(gb, (131072, 1048576))]
+    rows.append((dep.name, cfg.name.replace("kimi_linear_48b", "hybrid"), costs.kv_bytes_per_token(cfg, dep),
+                 costs.checkpoint_bytes(cfg, dep) / 1e6, "-" if cfg is mla else costs.crossover_tokens(cfg, mla, dep),
+                 gb[1], *(("-", "-") if cfg is mla else saved)))
+print(f"limit (KV only): 1 - {len(hy.attn_layers)}/{hy.n_layers} = {1 - len(hy.attn_layers) / hy.n_layers:.1%}")
+show_table(rows, ["deployment", "model", "KV B/token", "states MB", "less from", "GB @1M", "saved @128K",
+                  "saved @1M"], formats={"states MB": ".2f", "GB @1M": ".2f"},
+           title="One request, per device ('less from': tokens from which it holds less than all-MLA)")
+
+# %%
+contexts = np.unique(np.round(np.logspace(8, 20, 49, base=2)).astype(int))
+gb = {(c.name, d.name): np.array([costs.request_total_bytes(c, d, int(n)) for n in contexts]) / 1e9
+      for c, d in ((mla, one), (mla, tp4), (hy, one), (hy, tp4), (kimi_bf16_state, one))}
+mla_gb = gb[mla.name, one.name]
+assert np.array_equal(mla_gb, gb[mla.name, tp4.name])  # the latent is never split
+fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.0, 4.2))
+ax.loglog(contexts, mla_gb, color=plots.color("all-mla"), label=f"all-MLA, {one.name} and {tp4.name} (equal)")
+for cfg, dep, ls in ((hy, one, "-"), (hy, tp4, "--"), (kimi_bf16_state, one, ":")):
+    style = dict(linestyle=ls, color=plots.color("hybrid"),
+                 label=f"hybrid ({'bf16' if cfg.state_bytes == 2 else 'fp32'} state), {dep.name}")
+    ax.loglog(contexts, gb[cfg.name, dep.name], **style)
+    ax2.semilogx(contexts, 100 * (1 - gb[cfg.name, dep.name] / mla_gb), **style)
+ax2.axhline(75, linestyle="--", color=plots.color("analytic"), label="tech report: up to 75% less")
+ax2.axhline(0, color="0.3", linewidth=0.8)
+ax.set(xlabel="context length (tokens)", ylabel="cache of one request on one device (GB)",
+       title="Kimi-Linear-48B shapes: one request, per device")
+ax2.set(xlabel="context length (tokens)", ylabel="cache saved vs all-MLA, per device (%)",
+        title="saving of the hybrid", ylim=(-100, 100))
+ax.legend(fontsize=8)
+ax2.legend(loc="lower right", fontsize=8)
+plots.save(fig, "ch03-memory-48b")
+plt.show()
+
+# %% [markdown]
+# *Takeaway:* at short context the hybrid's fixed states make it hold *more* than all-MLA;
+# past the crossover the growing KV takes over. On one H200 the hybrid holds less from 1,885
+# tokens on (975 with a bf16 state); on a TP4 device, which keeps a quarter of each state but
+# the whole latent, from 472. At 128K tokens it saves 73.0% (73.9% at 1M), near the limit of
+# 74.1%: the tech report's "up to 75%" (abstract, p. 1).
+#
+# **What fits.** A device's HBM (90% of it, for the engine) holds its share of the weights,
+# an activation reserve and the cache. Under TP every device holds a share of every
+# request, so the instance holds what one device holds.
+#
+# <a id="term-dp-attention"></a>Under *DP-attention* (data-parallel attention, the
+# `dp4-ep4-h200` deployment) each device runs attention for its own requests and holds their
+# whole caches, so the instance holds four devices' worth.
+#
+# <a id="term-expert-parallelism"></a>*Expert parallelism* (EP), the other half of that
+# deployment, puts a quarter of the experts on each device; tokens travel to their experts.
+
+# %%
+rows = [(d.name, *(costs.max_batch(c, d, n) for n in (8192, 131072, 1048576) for c in (hy, mla)))
+        for d in (one, tp4, tp8, dp4)]
+show_table(rows, ["deployment", "hybrid 8K", "MLA 8K", "hybrid 128K", "MLA 128K", "hybrid 1M", "MLA 1M"],
+           title="Requests of each length that fit in one instance at once")
+
+# %% [markdown]
+# The hybrid fits about four times as many long requests: 92 against 24 of 128K tokens on
+# TP4. The first deep dive lists the named deployments' fields; the second shows what one
+# device holds in each: a TP8 instance holds barely more KV tokens than TP4 (13.75M against
+# 12.26M), because all 8 devices copy the latent.
+#
+# ### Deep dive: the named deployments
+#
+# The default is what users run: vLLM's recipe for Kimi-Linear-48B-A3B, one node with
+# `--tensor-parallel-size 4`, H200 listed as verified ([vllm-recipe](references.md#vllm-recipe));
+# its other option, TP8, is named too. DP-attention with expert parallelism runs on the same
+# four devices. Two more serve as references: the whole model on one H200, and what we
+# *assume* the Kimi Linear report measured on (it names no hardware; used only for the
+# calibration). The reduced model ran on `costs.LOCAL`, this CPU, which prices bytes only.
+
+# %%
+import dataclasses
+import textwrap
+
+named = [tp4, tp8, dp4, one, costs.REPORT_TP8_H800]
 for dep in named:
-    print(f"{dep.describe()}\n    {dep.source}")
-print(f"default: {costs.DEFAULT_DEPLOYMENT.name}\n")
+    print(dep.describe())
+    print(textwrap.fill(dep.source, 100, initial_indent="    ", subsequent_indent="    "))
+print(f"default: {costs.DEFAULT_DEPLOYMENT.name}")
 
 
 def field_value(v):
@@ -406,135 +498,52 @@ def field_value(v):
 
 
 fields = [f.name for f in dataclasses.fields(costs.Deployment) if f.name not in ("name", "source")]
-print(f"{'field':24s}" + "".join(f"{d.name[:15]:>16s}" for d in named))
-for name in fields:
-    print(f"{name:24s}" + "".join(f"{field_value(getattr(d, name)):>16s}" for d in named))
+short = ["tp4", "tp8", "dp4-ep4", "one", "report"]
+show_table([[name] + [field_value(getattr(d, name)) for d in named] for name in fields], ["field"] + short,
+           title="Deployment fields (tp4, tp8: vLLM's recipe; report: assumed)")
 
 # %% [markdown]
 # The fields say what a device is (`device`: HBM size, HBM bandwidth and peak FLOP/s from
 # the data sheets), how the work is split (`n_devices`, `attention`: `"tp"` or `"dp"`,
 # `experts`: `"tp"` or `"ep"`), how devices talk (`intra_link`, `inter_link`: a latency per
 # collective and a bandwidth, fitted to measured NVLink all-reduces,
-# [vidur](references.md#vidur)), what the kernels
-# achieve (`kernels`: efficiencies and a fixed cost per layer per step, fitted below), and
-# the engine's memory rules (`memory_utilization`, vLLM's `--gpu-memory-utilization`; an
-# activation reserve; `max_batched_tokens`, vLLM's `--max-num-batched-tokens`). The two
-# ways to split attention:
+# [vidur](references.md#vidur)), what the kernels achieve (`kernels`: efficiencies and a
+# fixed cost per layer per step, fitted in the calibration deep dive), and the engine's
+# memory rules (`memory_utilization`, vLLM's `--gpu-memory-utilization`; an activation
+# reserve; `max_batched_tokens`, vLLM's `--max-num-batched-tokens`).
 #
-# - **`attention="tp"`** (tensor parallelism, what `--tensor-parallel-size` gives): every
-#   layer is split by heads. The KDA states and conv windows shard by head, but MLA
-#   caches ONE latent shared by all heads, so every device holds (and reads) the whole
-#   latent cache of every request: vLLM counts one KV head per GPU for MLA models,
-#   Kimi Linear among them ([vllm-mla-tp](references.md#vllm-mla-tp)), while it divides
-#   the KDA state's heads by the TP size ([vllm](references.md#vllm)).
-# - **`attention="dp"`** (data-parallel attention): each device runs attention for its
-#   own requests and holds their whole caches; the mixer (KDA and MLA) weights are
-#   replicated on every device, the experts spread over the devices.
-#
-# What one device holds of one layer is decided here:
+# Under TP, vLLM counts one KV head per GPU for MLA models, Kimi Linear among them
+# ([vllm-mla-tp](references.md#vllm-mla-tp)), while it divides the KDA state's heads by the
+# TP size ([vllm](references.md#vllm)). Under DP-attention the mixer (KDA and MLA) weights
+# are replicated on every device. What one device holds of one layer is decided here:
 
 # %%
 show_source(costs.kv_heads_per_device)
+
+# %%
 show_source(costs.state_heads_per_device)
 
 # %% [markdown]
-# ## Memory at the 48B scale, per device
+# ### Deep dive: what one device holds, deployment by deployment
 #
-# Per token, each of the 7 MLA layers caches a 512-wide latent (`kv_lora_rank`) plus
-# 64 more dims in bf16: 1,152 B per layer. The config calls those 64 dims
-# `qk_rope_head_dim`; in DeepSeek-style MLA they are the *decoupled key part* that
-# carries the rotary position, shared by all heads. Kimi Linear sets `mla_use_nope: true`
-# (no positional encoding in MLA layers, report §4, p. 6): the 64 dims are still
-# computed, cached and used in the scores, just never rotated. Each of the 20 KDA layers
-# holds a `32 x 128 x 128` state (2 MiB in fp32) and a `3 x 12,288` conv state in bf16.
+# Layer by layer, with the whole model on one device and on one device of the TP4 recipe.
 # The fp32 state is vLLM's choice, not the report's: vLLM's
-# `MambaStateDtypeCalculator.kda_state_dtype` returns float32 for KDA's recurrent state
-# and the cache dtype for its conv state ([vllm](references.md#vllm)). A bf16 state is a
-# plausible engine choice too, so we carry both. The anatomy per device, with the whole
-# model on one device and on one device of the TP4 recipe:
+# `MambaStateDtypeCalculator.kda_state_dtype` returns float32 for KDA's recurrent state and
+# the cache dtype for its conv state ([vllm](references.md#vllm)); a bf16 state is a
+# plausible engine choice too, which is why the table above carries both. The 64 extra
+# dims of the MLA cache are what the config calls `qk_rope_head_dim`: in DeepSeek-style MLA,
+# the decoupled key part that carries the rotary position. Kimi Linear sets
+# `mla_use_nope: true` (report §4, p. 6): the 64 dims are still computed, cached and used in
+# the scores, just never rotated.
 
 # %%
-one, tp4, tp8, dp4 = costs.ONE_H200, costs.VLLM_TP4_H200, costs.VLLM_TP8_H200, costs.DP4_EP4_H200
-hy, mla = kimi_linear_48b, all_mla_27
-kimi_bf16_state = hy.with_(name="kimi_linear_48b (bf16 state)", state_bytes=2)
-for dep in (one, tp4):
-    print(dep.describe())
-    for cfg in (hy, mla):
-        for row in costs.cache_anatomy(cfg, dep):
-            print(f"  {cfg.name:16s} {row['kind']:11s} {row['layers']:3d} layers x {row['bytes_per_layer']:>10,} B "
-                  f"{row['unit']}")
-
-# %%
-contexts = np.unique(np.round(np.logspace(8, 20, 49, base=2)).astype(int))
-
-
-def per_device_gb(cfg, dep):
-    return np.array([costs.request_total_bytes(cfg, dep, int(n)) for n in contexts]) / 1e9
-
-
-fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.0, 4.2))
-mla_gb = per_device_gb(mla, one)
-assert np.array_equal(mla_gb, per_device_gb(mla, tp4))  # the latent is never split
-ax.loglog(contexts, mla_gb, color=plots.color("all-mla"), label=f"all-MLA, {one.name} and {tp4.name} (equal)")
-for dep, ls in ((one, "-"), (tp4, "--")):
-    hy_gb = per_device_gb(hy, dep)
-    ax.loglog(contexts, hy_gb, linestyle=ls, color=plots.color("hybrid"), label=f"hybrid (fp32 state), {dep.name}")
-    ax2.semilogx(contexts, 100 * (1 - hy_gb / mla_gb), linestyle=ls, color=plots.color("hybrid"),
-                 label=f"hybrid (fp32 state), {dep.name}")
-bf16_gb = per_device_gb(kimi_bf16_state, one)
-ax.loglog(contexts, bf16_gb, linestyle=":", color=plots.color("hybrid"), label=f"hybrid (bf16 state), {one.name}")
-ax2.semilogx(contexts, 100 * (1 - bf16_gb / mla_gb), linestyle=":", color=plots.color("hybrid"),
-             label=f"hybrid (bf16 state), {one.name}")
-ax.set_xlabel("context length (tokens)")
-ax.set_ylabel("cache of one request on one device (GB)")
-ax.set_title("Kimi-Linear-48B shapes: one request, per device")
-ax.legend(fontsize=8)
-ax2.axhline(75, linestyle="--", color=plots.color("analytic"), label="tech report: up to 75% less")
-ax2.axhline(0, color="0.3", linewidth=0.8)
-ax2.set_ylim(-100, 100)
-ax2.set_xlabel("context length (tokens)")
-ax2.set_ylabel("cache saved vs all-MLA, per device (%)")
-ax2.set_title("saving of the hybrid")
-ax2.legend(loc="lower right", fontsize=8)
-plots.save(fig, "ch03-memory-48b")
-plt.show()
+show_table([(dep.name, cfg.name, r["kind"], r["layers"], r["bytes_per_layer"], r["unit"])
+            for dep in (one, tp4) for cfg in (hy, mla) for r in costs.cache_anatomy(cfg, dep)],
+           ["deployment", "model", "kind", "layers", "B per layer", "per"], title="Cache anatomy per device")
 
 # %% [markdown]
-# *Takeaway:* at short context the hybrid's fixed states make it hold *more* than
-# all-MLA; past the crossover the growing KV takes over and the saving approaches the
-# layer-count limit. Where the lines cross depends on the deployment, because a device
-# of the TP4 recipe holds a quarter of each state but the whole latent:
-
-# %%
-print(f"KV per token per device: hybrid {costs.kv_bytes_per_token(hy, one):,} B, all-MLA "
-      f"{costs.kv_bytes_per_token(mla, one):,} B, on every deployment (MLA's latent is never split)")
-for dep in (one, tp4, tp8, dp4):
-    for cfg in (hy, kimi_bf16_state) if dep is one else (hy,):
-        fixed = costs.checkpoint_bytes(cfg, dep)
-        print(f"{dep.name:14s} {cfg.name:30s} states {fixed:>11,} B per device; holds less than all-MLA from "
-              f"{costs.crossover_tokens(cfg, mla, dep):>5,} tokens on")
-for n in (131072, 1048576):
-    h, a = costs.request_total_bytes(hy, one, n), costs.request_total_bytes(mla, one, n)
-    print(f"{one.name}, context {n:>9,}: hybrid {h / 1e9:6.2f} GB, all-MLA {a / 1e9:6.2f} GB per request "
-          f"-> {100 * (1 - h / a):.1f}% less cache")
-print(f"limit (KV only): 1 - 7/27 = {100 * (1 - 7 / 27):.1f}%")
-
-# %% [markdown]
-# With the whole model on one device (and under DP-attention, whose devices hold whole
-# requests) the hybrid holds less than all-MLA from 1,885 tokens on; with a bf16 state
-# from 975. On one device of the TP4 recipe it does from 472 tokens, at TP8 from 236.
-# At 128k tokens the saving is 73.0% (73.9% at 1M), close to the layer-count limit
-# 20/27 = 74.1%: the tech report's "up to 75%" (abstract, p. 1). The state's width and
-# the deployment matter for short requests, and for every copy of a state a prefix cache
-# keeps (chapter 6).
-#
-# ## What fits on one device
-#
-# A device's HBM holds its share of the weights, a reserve for a step's activations,
-# and the cache; the engine may use 90% of the HBM in all. Under TP every device holds a
-# share of every request, so the instance holds what one device holds; under
-# DP-attention each device holds its own requests, so the instance holds four devices'
-# worth. The budget, and the pool's size in KV tokens:
+# The cache budget of one device, and from it the pool's size in KV tokens and the requests
+# that fit:
 
 # %%
 show_source(costs.cache_budget_bytes)
@@ -546,40 +555,64 @@ table = [
     ("cache budget per device (GB)", lambda d: f"{costs.cache_budget_bytes(hy, d) / 1e9:.2f}"),
     ("MLA KV per token per device (B)", lambda d: f"{costs.kv_bytes_per_token(hy, d):,}"),
     ("state checkpoint per device (MB)", lambda d: f"{costs.checkpoint_bytes(hy, d) / 1e6:.2f}"),
-    ("  = 512-token KV pages", lambda d: f"{costs.checkpoint_bytes(hy, d) / (512 * costs.kv_bytes_per_token(hy, d)):.2f}"),
+    ("  = 512-token KV pages",
+     lambda d: f"{costs.checkpoint_bytes(hy, d) / (512 * costs.kv_bytes_per_token(hy, d)):.2f}"),
     ("vLLM's block (tokens)", lambda d: f"{costs.vllm_hybrid_pages(hy, d).block_tokens:,}"),
     ("KV tokens the instance holds (M)", lambda d: f"{costs.capacity_tokens(hy, d) / 1e6:.2f}"),
 ]
 for L in (8192, 131072, 1048576):
     table.append((f"requests that fit @{L // 1024}K: hybrid", lambda d, L=L: f"{costs.max_batch(hy, d, L):,}"))
     table.append((f"requests that fit @{L // 1024}K: all-MLA", lambda d, L=L: f"{costs.max_batch(mla, d, L):,}"))
-print(f"{'Kimi-Linear-48B, per device':34s}" + "".join(f"{d.name:>15s}" for d in deps4))
-for label, value in table:
-    print(f"{label:34s}" + "".join(f"{value(d):>15s}" for d in deps4))
+show_table([[label] + [value(d) for d in deps4] for label, value in table], ["Kimi-Linear-48B, per device"]
+           + [d.name for d in deps4])
 
 # %% [markdown]
 # Reading the table (each column is one deployment):
 #
-# - **One H200** holds the 96 GB of weights and only 26.9 GB of cache: 24 requests of
-#   128k tokens, 3 of 1M.
-# - **TP4** spreads the weights (24 GB a device) and the states (10.85 MB a device, 2.63
-#   KV pages) but not the latent: every device stores the whole MLA cache of every
-#   request, so the instance holds no more KV tokens than one device's budget, 12.26M.
-# - **TP8** halves the state again (1.31 KV pages) and the weights, but adds few KV
-#   tokens (13.75M): the latent is copied 8 times.
-# - **DP4-EP4** replicates the mixer weights (25.75 GB a device) and keeps each
-#   request's whole state on its device (10.5 pages), but its four devices hold
-#   different requests: 48.19M KV tokens, almost four times TP4's.
+# - **One H200** holds the 96 GB of weights and only 26.9 GB of cache: 24 requests of 128K
+#   tokens, 3 of 1M.
+# - **TP4** spreads the weights (24 GB a device) and the states (10.85 MB a device, 2.63 KV
+#   pages) but not the latent: every device stores the whole MLA cache of every request, so
+#   the instance holds no more KV tokens than one device's budget, 12.26M.
+# - **TP8** halves the state again (1.31 KV pages) and the weights, but adds few KV tokens
+#   (13.75M): the latent is copied 8 times.
+# - **DP4-EP4** replicates the mixer weights (25.75 GB a device) and keeps each request's
+#   whole state on its device (10.5 pages), but its four devices hold different requests:
+#   48.19M KV tokens, almost four times TP4's.
 #
-# vLLM's block size follows the state on one device: 1,888 tokens on one device and
-# under DP-attention, 480 at TP4, 240 at TP8 (the page layout is derived in the last
-# section).
+# vLLM's block size follows the state on one device: 1,888 tokens on one device and under
+# DP-attention, 480 at TP4, 240 at TP8 (the page layout is derived in the last section).
 #
-# ## The step-time model: one forward pass per step
+# ## What the memory buys in time
 #
-# A continuous-batching engine runs every decoding request's next token, and any prefill
-# chunks admitted beside them, as one forward pass. `costs.step_work` counts what that
-# pass does on the busiest device; `StepWork.parts` turns it into four terms:
+# <a id="term-decode-step"></a>A continuous-batching engine runs every decoding request's
+# next token, and any prefill chunks admitted beside them, as one forward pass: a *decode
+# step*. `kimilab.costs` prices a step from what it does on the busiest device: a fixed
+# overhead per layer, the collectives between devices, the weight bytes it reads, and each
+# request's cache. Five kernel numbers in it are fitted to the Kimi Linear report's
+# published measurements.
+#
+# <a id="term-tpot"></a>Every request in the batch gets one token per step, so the step
+# time is each request's *TPOT* (time per output token), and batch / step time is the
+# instance's decode throughput.
+#
+# *Verdict:* the hybrid's gain is throughput, bought with the batch its memory allows (92
+# requests of 128K on TP4 instead of 24: 3.53× the tokens per second), not a shorter TPOT;
+# at short context and serving batch its step is *slower*. The cost model behind both is
+# 16–37% pessimistic against the only serving-batch measurements. The deep dives:
+#
+# - **step-time model**: at batch 1 a step is mostly fixed cost (3.51 ms of 5.56 ms on TP4);
+# - **calibration**: the fit to the report's Figure 7 is off by 13.8% rms;
+# - **crossovers**: the hybrid's step is up to 13.4% slower on TP4, 18.0% on DP4-EP4;
+# - **serving batch**: 3.53× to 3.78× the throughput at 128K–1M, and 1.83× shorter TPOT at
+#   batch 1 and 1M tokens;
+# - **prefill and checkpoint copies**: 219 ms for 10,000 tokens on TP4, 5.9 us for a state copy;
+# - **the tiny model on this CPU**: a decode step is mostly interpreter overhead.
+#
+# ### Deep dive: the step-time model
+#
+# `costs.step_work` counts what one forward pass does on the busiest device;
+# `StepWork.parts` turns it into four terms:
 
 # %%
 show_source(costs.StepWork.parts)
@@ -591,99 +624,119 @@ show_source(costs.StepWork.parts)
 #   experts; with expert parallelism an all-to-all to the experts and one back;
 # - **weights**: the weight bytes the step reads, once for the whole step, against the
 #   weight-matmul FLOPs;
-# - **mixers**: each request's KV read once and its state read and written once, against
-#   the attention and KDA FLOPs.
+# - **mixers**: each request's KV read once and its state read and written once, against the
+#   attention and KDA FLOPs.
 #
-# The weight bytes rest on an assumption worth stating: **uniform routing**. A token
-# picks 8 of the 256 routed experts; with B tokens in a step each expert is touched with
-# probability 1 - (1 - 8/256)^B, as if every token chose at random. Real routers are
-# skewed, which touches fewer experts (fewer bytes) at a given batch:
+# The weight bytes rest on an assumption worth stating: **uniform routing**. A token picks 8
+# of the 256 routed experts; with B tokens in a step each expert is touched with probability
+# 1 - (1 - 8/256)^B, as if every token chose at random. Real routers are skewed, which
+# touches fewer experts (fewer bytes) at a given batch:
 
 # %%
+from kimilab.config import WeightModel
+
 show_source(WeightModel.params_read)
 
 # %%
-print(f"{'deployment':14s} {'model':16s} {'context':>8s} {'batch':>5s} {'overhead':>9s} {'comm':>7s} "
-      f"{'weights':>8s} {'mixers':>8s} {'step ms':>8s} {'weights read GB':>16s}")
+rows = []
 for dep in (tp4, dp4):
     for cfg in (hy, mla):
         for L, B in ((8192, 1), (8192, 64), (131072, 64)):
             work = costs.step_work(cfg, dep, decode=(B, B * L))
-            parts = work.parts()
-            print(f"{dep.name:14s} {cfg.name:16s} {L:8,d} {B:5d} " + " ".join(
-                f"{parts[k] * 1e3:{w}.2f}" for k, w in (("overhead", 9), ("communication", 7), ("weights", 8),
-                                                          ("mixers", 8)))
-                  + f" {work.seconds() * 1e3:8.2f} {work.weight_bytes / 1e9:16.2f}")
+            p = work.parts()
+            rows.append((dep.name, "hybrid" if cfg is hy else "all-MLA", L, B, p["overhead"] * 1e3,
+                         p["communication"] * 1e3, p["weights"] * 1e3, p["mixers"] * 1e3,
+                         work.seconds() * 1e3, work.weight_bytes / 1e9))
+show_table(rows, ["deployment", "model", "context", "B", "overhead", "comm", "weights", "mixers", "step",
+                  "read GB"], formats={k: ".2f" for k in ("overhead", "comm", "weights", "mixers", "step",
+                                                          "read GB")},
+           title="One decode step on the busiest device (ms; read GB: weight bytes read)")
 
 # %% [markdown]
 # At batch 1 a step is mostly fixed cost: 3.51 ms of per-layer overhead and 1.62 ms of
-# collectives, beside 0.41 ms of weights on a TP4 device; that is the ~5 ms TPOT the
-# report measures at batch 1 (next section). At batch 64 the experts' union is most of
-# the model (21 GB of the 24 GB a TP4 device holds), and at 128k tokens the mixers
-# term, the caches, takes over: 18.68 ms for the hybrid against 70.60 ms for all-MLA on
-# TP4.
+# collectives, beside 0.41 ms of weights on a TP4 device; that is the ~5 ms TPOT the report
+# measures at batch 1 (next deep dive). At batch 64 the experts' union is most of the model
+# (21 GB of the 24 GB a TP4 device holds), and at 128K tokens the mixers term, the caches,
+# takes over: 18.68 ms for the hybrid against 70.60 ms for all-MLA on TP4.
 #
-# ## Calibration: the model against published measurements
+# ### Deep dive: calibration against the Kimi Linear report
 #
-# The efficiencies and the per-layer overhead are not assumed; they are fitted to
-# published GPU measurements (`kimilab.costs.calibration`; the data and how it was
-# digitised are in `data/calibration/`). Nobody has published a serving benchmark of
-# Kimi-Linear-48B at batch; what exists is:
+# The efficiencies and the per-layer overhead are not assumed; they are fitted to published
+# GPU measurements (`kimilab.costs.calibration`; the data and how it was digitised are in
+# `data/calibration/`). Nobody has published a serving benchmark of Kimi-Linear-48B at
+# batch; what exists is:
 #
-# - **fit** (36 rows): the Kimi Linear report's Figure 7, (a) prefill latency and (b)
-#   TPOT at batch 1, for Kimi Linear and the all-MLA baseline, 4K to 1M tokens,
-#   digitised from the PDF's vector paths ([kimi-report](references.md#kimi-report)).
-# - **check** (5 rows, never fitted): SGLang's serving benchmarks of Qwen3-Next-80B-A3B,
-#   the closest public peer (a 3 : 1 linear-attention hybrid MoE with 3B active
-#   parameters), on H200 at TP2/4/8 and H20 at TP4/8: output tokens per second at a fixed
-#   concurrency ([sglang-bench](references.md#sglang-bench)).
-# - **shown, not scored** (2 rows): the report's Figure 1(b) at 1M tokens, whose batch
-#   the report does not state.
+# - **fit** (36 rows): the Kimi Linear report's Figure 7, (a) prefill latency and (b) TPOT
+#   at batch 1, for Kimi Linear and the all-MLA baseline, 4K to 1M tokens, digitised from
+#   the PDF's vector paths ([kimi-report](references.md#kimi-report)).
+# - **check** (5 rows, never fitted): SGLang's serving benchmarks of Qwen3-Next-80B-A3B, the
+#   closest public peer (a 3 : 1 linear-attention hybrid MoE with 3B active parameters), on
+#   H200 at TP2/4/8 and H20 at TP4/8: output tokens per second at a fixed concurrency
+#   ([sglang-bench](references.md#sglang-bench)).
+# - **shown, not scored** (2 rows): the report's Figure 1(b) at 1M tokens, whose batch the
+#   report does not state.
 #
-# The fit is a deterministic coordinate search on log grids that minimises the squared
-# log error of the 36 rows over five numbers: the GEMM, attention, KDA and bandwidth
-# efficiencies and the per-layer overhead. Rerun here, it reproduces the kernels every
-# other chapter uses, `costs.CALIBRATED`:
+# The fit is a deterministic coordinate search on log grids that minimises the squared log
+# error of the 36 rows over five numbers: the GEMM, attention, KDA and bandwidth
+# efficiencies and the per-layer overhead. Rerun here, it reproduces the kernels every other
+# chapter uses, `costs.CALIBRATED`:
 
 # %%
+from matplotlib.ticker import NullFormatter
+
+from kimilab.costs import calibration
+
 fitted, rms = calibration.fit_kernels()
-print(f"{'kernel number':18s} {'fitted now':>12s} {'CALIBRATED':>12s}")
-for name in ("gemm", "attention", "kda", "bandwidth", "replay", "layer_overhead_s"):
-    print(f"{name:18s} {getattr(fitted, name):12.4g} {getattr(costs.CALIBRATED, name):12.4g}")
 print(f"rms log error over the fitted rows: {rms:.3f} (a typical row is off by {100 * (np.exp(rms) - 1):.0f}%)")
 print(f"replay is not fitted: nothing published measures it ({costs.CALIBRATED.replay:.2f}, an assumption)")
+show_table([(name, getattr(fitted, name), getattr(costs.CALIBRATED, name))
+            for name in ("gemm", "attention", "kda", "bandwidth", "replay", "layer_overhead_s")],
+           ["kernel number", "fitted now", "CALIBRATED"], formats={"fitted now": ".4g", "CALIBRATED": ".4g"})
 
 # %% [markdown]
-# Every row, measured beside modelled, with its error (modelled / measured - 1) and the
-# deployment it is modelled on. Rows off by more than 30% are flagged `<<`:
+# Every row, measured beside modelled, with its error (modelled / measured - 1), first the
+# 36 fitted rows (all modelled on the assumed `report-tp8-h800`, batch 1), then the rest.
+# Rows off by more than 30% are flagged `<<`:
 
 # %%
 cal_rows = calibration.table()
-
-
-def short_source(r):
-    s = r["source"].replace("Kimi Linear report, Figure ", "report Fig ").replace("sgl-project/sglang PR ", "SGLang ")
-    return s.replace(" (after tuning)", "").replace(" (batch not stated)", "")
+names = {"kimi_linear_48b": "hybrid", "all_mla_27": "all-MLA", "qwen3_next_80b": "Qwen3-Next"}
 
 
 def role(r):
     return "fit" if r["fitted"] else ("shown" if "not stated" in r["source"] else "check")
 
 
-print(f"{'source':18s} {'role':5s} {'what':15s} {'model':16s} {'deployment':16s} {'tokens':>9s} {'batch':>5s} "
-      f"{'measured':>10s} {'modelled':>10s} {'error':>7s}")
-for r in cal_rows:
-    print(f"{short_source(r):18s} {role(r):5s} {r['what']:15s} {r['model']:16s} {r['deployment'][:16]:16s} "
-          f"{r['tokens']:9,d} {r['batch']:5d} {r['measured']:10.4g} {r['modelled']:10.4g} {r['error']:+7.1%}"
-          + ("  <<" if abs(r["error"]) > 0.3 else ""))
+def err(r):
+    return f"{r['error']:+.1%}" + (" <<" if abs(r["error"]) > 0.3 else "")
+
+
+def short_source(r):
+    s = r["source"].replace("Kimi Linear report, Figure ", "Fig ").replace("sgl-project/sglang PR ", "")
+    return s.replace(" (after tuning)", "").replace(" (batch not stated)", "")
+
+
 fit_err = np.array([r["error"] for r in cal_rows if r["fitted"]])
 check_err = np.array([r["error"] for r in cal_rows if role(r) == "check"])
-print(f"\nfitted rows: rms error {np.sqrt(np.mean(fit_err ** 2)):.1%}, worst {fit_err[np.abs(fit_err).argmax()]:+.1%}; "
-      f"{np.sum(np.abs(fit_err) > 0.3)} of {len(fit_err)} beyond 30%")
+print(f"fitted rows: rms error {np.sqrt(np.mean(fit_err ** 2)):.1%}, worst "
+      f"{fit_err[np.abs(fit_err).argmax()]:+.1%}; {np.sum(np.abs(fit_err) > 0.3)} of {len(fit_err)} beyond 30%")
 print(f"check rows: errors {check_err.min():+.1%} to {check_err.max():+.1%}; "
       f"{np.sum(np.abs(check_err) > 0.3)} of {len(check_err)} beyond 30%")
-print("Figure 1(b) at 1M, measured vs the batch-1 model: " + ", ".join(
-    f"{r['model']} {r['measured'] * 1e3:.2f} ms vs {r['modelled'] * 1e3:.1f} ms" for r in cal_rows if role(r) == "shown"))
+print("Figure 1(b) at 1M, measured vs the batch-1 model:\n    " + ", ".join(
+    f"{names[r['model']]} {r['measured'] * 1e3:.2f} ms vs {r['modelled'] * 1e3:.1f} ms"
+    for r in cal_rows if role(r) == "shown"))
+show_table([(short_source(r), r["what"], names[r["model"]], r["tokens"], r["measured"], r["modelled"], err(r))
+            for r in cal_rows if r["fitted"]],
+           ["source", "what", "model", "tokens", "measured", "modelled", "error"],
+           formats={"measured": ".4g", "modelled": ".4g"}, title="Fitted rows (report-tp8-h800, batch 1)")
+
+# %%
+show_table([(short_source(r), role(r), r["what"].replace("output tokens/s", "tok/s"), names[r["model"]],
+             r["deployment"].replace("sglang-", "").replace(" (assumed)", ""), r["tokens"], r["batch"], r["measured"], r["modelled"], err(r))
+            for r in cal_rows if not r["fitted"]],
+           ["source", "role", "what", "model", "deployment", "tokens", "B", "measured", "modelled", "error"],
+           formats={"measured": ".4g", "modelled": ".4g"},
+           title="Rows not fitted (source: SGLang PR number, or report figure; B: batch)")
 
 # %%
 def plain_log_axis(axis, ticks, labels=None):
@@ -744,25 +797,25 @@ plt.show()
 
 # %% [markdown]
 # *Takeaway:* at batch 1 the model follows both of Figure 7's panels (decode within 11%,
-# prefill within 27% except the hybrid's 4K prefill), but at serving batch, the only
-# regime the check rows test, it predicts 16–37% fewer tokens per second than
-# SGLang measured on a peer model.
+# prefill within 27% except the hybrid's 4K prefill), but at serving batch, the only regime
+# the check rows test, it predicts 16–37% fewer tokens per second than SGLang measured on a
+# peer model.
 #
 # What the fit rests on, plainly:
 #
 # - **The report does not state its hardware** or parallelism. We model its rows on
-#   `costs.REPORT_TP8_H800`, eight H800-class devices at TP8, an assumption that makes
-#   its 1M-token prefills possible at a plausible efficiency. A different guess gives
-#   different efficiencies; the H200 deployments above inherit them.
+#   `costs.REPORT_TP8_H800`, eight H800-class devices at TP8, an assumption that makes its
+#   1M-token prefills possible at a plausible efficiency. A different guess gives different
+#   efficiencies; the H200 deployments above inherit them.
 # - **All 36 fitted rows are at batch 1** (prefill of one prompt, decode of one request).
 #   Nothing in the fit sees the expert union, the collectives or the cache reads of a
 #   serving batch. The only rows at batch > 1 are the peer check, and there the model is
-#   **16–37% slow** (too few tokens per second; three of the five rows, SGLang on H200
-#   at concurrency 8, are beyond 30%). It is another model, served by another engine with
-#   its own kernels, so this bounds the error rather than correcting it.
+#   **16–37% slow** (too few tokens per second; three of the five rows, SGLang on H200 at
+#   concurrency 8, are beyond 30%). It is another model, served by another engine with its
+#   own kernels, so this bounds the error rather than correcting it.
 # - **Figure 1(b)'s batch is not stated**: its 1.84 ms and 11.48 ms at 1M tokens are far
-#   below any batch-1 TPOT (the model gives 8.7 ms and 18.1 ms), so they were measured at
-#   a batch we cannot reconstruct. We show them and do not score them.
+#   below any batch-1 TPOT (the model gives 8.7 ms and 18.1 ms), so they were measured at a
+#   batch we cannot reconstruct. We show them and do not score them.
 # - The fitted KDA efficiency is low (3.1% of peak): the fit charges the hybrid's extra
 #   prefill time at 4K-32K to the KDA kernels. It is a fitted number, not a measured one.
 #
@@ -770,35 +823,32 @@ plt.show()
 # appear:
 #
 # 1. *Short prefills.* The hybrid's 4K prefill is modelled 47% too fast (0.051 s against
-#    0.096 s). Prefill times of prompts of a few thousand tokens, and the
-#    time-to-first-token a prefix hit saves on them (chapters 5, 6, 10, 11), are likely
-#    too small.
+#    0.096 s). Prefill times of prompts of a few thousand tokens, and the time-to-first-token
+#    a prefix hit saves on them (chapters 5, 6, 10, 11), are likely too small.
 # 2. *Everything at serving batch.* TPOT and throughput at batch > 1, in the comparison
 #    below and in chapters 7, 8 and 10–12, are checked only by the SGLang rows, 36–37% off
 #    on H200. There the model is pessimistic: it likely overstates the step time.
 #
-# ## Hybrid vs all-MLA, per device and at serving batch
+# ### Deep dive: the crossovers, where the hybrid's step is slower
 #
 # The report makes three decoding claims, measured under different conditions
 # ([kimi-report](references.md#kimi-report)):
 #
 # - abstract (p. 1) and §1 (p. 2): "up to 6× decoding throughput" at 1M context;
-# - Figure 1(b) (p. 1): "6.3× faster TPOT (1.84ms vs. 11.48ms) than MLA at 1M tokens",
-#   which the caption attributes to the larger batches the hybrid's memory allows;
-# - Figure 7(b) (p. 13): TPOT at batch size 1 (annotated 2.2× and 1.8×; §6.3 on p. 16
-#   reads it as a 2.3× speedup at 1M).
+# - Figure 1(b) (p. 1): "6.3× faster TPOT (1.84ms vs. 11.48ms) than MLA at 1M tokens", which
+#   the caption attributes to the larger batches the hybrid's memory allows;
+# - Figure 7(b) (p. 13): TPOT at batch size 1 (annotated 2.2× and 1.8×; §6.3 on p. 16 reads
+#   it as a 2.3× speedup at 1M).
 #
-# Here is the same comparison on the two deployments a user would run, TP4 (the recipe)
-# and DP4-EP4, per device and at serving batch. First what each device holds, and the
+# Here is the same comparison on TP4 and DP4-EP4, per device and at serving batch. First the
 # two crossovers: where the hybrid holds fewer bytes per device (memory), and where its
-# decode step stops being slower (time), which `costs.decode_crossover_tokens` finds for
-# a given batch:
+# decode step stops being slower (time), which `costs.decode_crossover_tokens` finds for a
+# given batch:
 
 # %%
-show_source(costs.decode_crossover_tokens)
+show_source(costs.decode_crossover_tokens, limit=None)
 
 # %%
-print(f"{'':38s}{tp4.name:>16s}{dp4.name:>16s}")
 lines = [
     ("hybrid KV per token per device (B)", lambda d: f"{costs.kv_bytes_per_token(hy, d):,}"),
     ("all-MLA KV per token per device (B)", lambda d: f"{costs.kv_bytes_per_token(mla, d):,}"),
@@ -808,18 +858,19 @@ lines = [
 for B in (1, 16, 64, 256, 512):
     lines.append((f"decode-step crossover at batch {B} (tokens)",
                   lambda d, B=B: f"{costs.decode_crossover_tokens(hy, mla, d, B):,}"))
-for label, value in lines:
-    print(f"{label:38s}" + "".join(f"{value(d):>16s}" for d in (tp4, dp4)))
+show_table([[label] + [value(d) for d in (tp4, dp4)] for label, value in lines], ["", tp4.name, dp4.name])
 
 # %% [markdown]
-# Under TP the decode step's crossover is twice the memory crossover at every batch
-# (942 tokens at TP4): a step reads the state *and* writes it back, but reads the KV
-# once. Under DP-attention it moves with the batch, from 102,817 tokens at batch 1 to
-# 3,768 at batch 512: each device holds its own copy of the mixer weights, and the
-# hybrid's 20 KDA layers have more weights than the 20 MLA layers they replace, a cost
-# only a large batch dilutes. Over context and batch, the ratio of the two steps:
+# Under TP the decode step's crossover is twice the memory crossover at every batch (942
+# tokens at TP4): a step reads the state *and* writes it back, but reads the KV once. Under
+# DP-attention it moves with the batch, from 102,817 tokens at batch 1 to 3,768 at batch
+# 512: each device holds its own copy of the mixer weights, and the hybrid's 20 KDA layers
+# have more weights than the 20 MLA layers they replace, a cost only a large batch dilutes.
+# Over context and batch, the ratio of the two steps:
 
 # %%
+from matplotlib.colors import TwoSlopeNorm
+
 grid_L = 2 ** np.arange(8, 21)  # 256 ... 1M tokens
 grid_B = 2 ** np.arange(0, 10)  # 1 ... 512 requests
 ratio = {}
@@ -866,24 +917,25 @@ for dep in (tp4, dp4):
           f"largest gain {np.nanmin(r) - 1:+.1%}")
 
 # %% [markdown]
-# *Takeaway:* at short context and large batch (the red corner) the hybrid's decode
-# step is **slower** than all-MLA's. On TP4 that is +1.5% to +13.4% at 256–512 tokens
-# and batch 64–512, and none from 1,024 tokens on. Under DP-attention it is +3.8% to
-# +18.0% at 256–1,024 tokens and batch 64–512 (still +2.8% at 2,048), and +2.7% even at
-# batch 1 and 256 tokens. The review that prompted this chapter (issue #23) measured
-# 7–22% under DP-attention with the previous cost model; the new one still finds the
-# hybrid slower there, by less. At long context (blue) the hybrid's step is up to 56%
-# shorter where both batches fit. These are serving-batch numbers, resting on the check
-# rows above (36–37% off).
+# *Takeaway:* at short context and large batch (the red corner) the hybrid's decode step is
+# **slower** than all-MLA's. On TP4 that is +1.5% to +13.4% at 256–512 tokens and batch
+# 64–512, and none from 1,024 tokens on. Under DP-attention it is +3.8% to +18.0% at
+# 256–1,024 tokens and batch 64–512 (still +2.8% at 2,048), and +2.7% even at batch 1 and
+# 256 tokens. The review that prompted this chapter (issue #23) measured 7–22% under
+# DP-attention with the previous cost model; the new one still finds the hybrid slower
+# there, by less. At long context (blue) the hybrid's step is up to 56% shorter where both
+# batches fit. These are serving-batch numbers, resting on the check rows above (36–37%
+# off).
 #
-# At equal batch the two deployments' throughput ratio is the inverse of the step
-# ratio. The hybrid's larger gain comes from the batch its memory allows. TPOT (each
-# request's time per output token) and the instance's tokens per second, at named
-# batches and at the largest batch that fits:
+# ### Deep dive: TPOT and throughput at serving batch
+#
+# At equal batch the two models' throughput ratio is the inverse of the step ratio. The
+# hybrid's larger gain comes from the batch its memory allows. TPOT and the instance's
+# tokens per second, at named batches and at the largest batch that fits:
 
 # %%
 def point(cfg, dep, L, B):
-    """(TPOT ms, tokens/s) at batch B, or None if B requests of L tokens do not fit."""
+    """(batch, TPOT ms, tokens/s) at batch B (None: the largest that fits), or None if B does not fit."""
     if B is None:
         B = costs.max_batch(cfg, dep, L)
     if B < 1 or costs.max_batch(cfg, dep, L) < B:
@@ -892,15 +944,17 @@ def point(cfg, dep, L, B):
     return B, p.step_seconds * 1e3, p.tokens_per_second
 
 
-print(f"{'deployment':14s} {'context':>9s} {'batch':>7s} | {'hybrid: B':>9s} {'TPOT ms':>8s} {'tok/s':>8s} | "
-      f"{'MLA: B':>6s} {'TPOT ms':>8s} {'tok/s':>8s} | {'tok/s hybrid/MLA':>16s}")
+rows = []
 for dep in (tp4, dp4):
     for L, batches in ((1024, (1, 64, 256)), (8192, (1, 64, 256)), (131072, (1, 16, None)), (1048576, (1, None))):
         for B in batches:
             h, a = point(hy, dep, L, B), point(mla, dep, L, B)
-            cells = [f"{p[0]:9,d} {p[1]:8.2f} {p[2]:8,.0f}" if p else f"{'-':>9s} {'-':>8s} {'-':>8s}" for p in (h, a)]
-            gain = f"{h[2] / a[2]:16.2f}" if h and a else f"{'-':>16s}"
-            print(f"{dep.name:14s} {L:9,d} {'largest' if B is None else B:>7} | {cells[0]} | {cells[1][3:]} | {gain}")
+            cells = [(f"{p[0]:,}", f"{p[1]:.2f}", f"{p[2]:,.0f}") if p else ("-",) * 3 for p in (h, a)]
+            rows.append((dep.name, L, "largest" if B is None else str(B), *cells[0], *cells[1],
+                         f"{h[2] / a[2]:.2f}" if h and a else "-"))
+show_table(rows, ["deployment", "context", "batch", "B hy", "TPOT hy", "tok/s hy", "B MLA", "TPOT MLA",
+                  "tok/s MLA", "ratio"],
+           title="Decode points (TPOT in ms; ratio: hybrid tok/s / all-MLA tok/s)")
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(11.0, 7.0), sharex="col")
@@ -930,67 +984,70 @@ plots.save(fig, "ch03-decode-serving")
 plt.show()
 
 # %% [markdown]
-# *Takeaway* (each line ends where memory runs out, or at 1,024 requests): at 8k tokens
-# the two models' lines lie close together up to the largest batches: a step there is weights, overhead and collectives, which the two
-# share. At 128k tokens the hybrid's throughput line runs about 4 times further to the
-# right before memory runs out (92 vs 24 requests on TP4, 352 vs 92 on DP4-EP4), and at
-# equal batch its steps are shorter. Each verdict, with its regime:
+# *Takeaway* (each line ends where memory runs out, or at 1,024 requests): at 8K tokens the
+# two models' lines lie close together up to the largest batches: a step there is weights,
+# overhead and collectives, which the two share. At 128K tokens the hybrid's throughput line
+# runs about 4 times further to the right before memory runs out (92 vs 24 requests on TP4,
+# 352 vs 92 on DP4-EP4), and at equal batch its steps are shorter. Each verdict, with its
+# regime:
 #
-# - **Memory** (per device): the hybrid holds less from 472 tokens on a TP4 device,
-#   from 1,885 on a DP4-EP4 device.
-# - **TPOT at batch 1**: the same within 1% at short context on TP4; 12% shorter at
-#   128k and 45% shorter at 1M, a 1.83× speedup on TP4 (the report's Figure 7(b) shows
-#   2.2× at 1M on its unstated hardware).
-# - **Throughput at the largest batch that fits**: 3.53× at 128k and 3.66× at 1M on TP4,
-#   3.57× and 3.78× on DP4-EP4 (the report: "up to 6×" at 1M). Each request's TPOT at
-#   that batch is about the same as all-MLA's at its smaller batch: the gain is
-#   throughput, not a shorter time per output token.
-# - **Short context, serving batch**: the hybrid's step is up to 13% slower on TP4
-#   (256–512 tokens) and up to 18% slower on DP4-EP4 (256–1,024 tokens) at batch 64–512.
+# - **Memory** (per device): the hybrid holds less from 472 tokens on a TP4 device, from
+#   1,885 on a DP4-EP4 device.
+# - **TPOT at batch 1**: the same within 1% at short context on TP4; 12% shorter at 128K and
+#   45% shorter at 1M, a 1.83× speedup on TP4 (the report's Figure 7(b) shows 2.2× at 1M on
+#   its unstated hardware).
+# - **Throughput at the largest batch that fits**: 3.53× at 128K and 3.66× at 1M on TP4,
+#   3.57× and 3.78× on DP4-EP4 (the report: "up to 6×" at 1M). Each request's TPOT at that
+#   batch is about the same as all-MLA's at its smaller batch: the gain is throughput, not a
+#   shorter time per output token.
+# - **Short context, serving batch**: the hybrid's step is up to 13% slower on TP4 (256–512
+#   tokens) and up to 18% slower on DP4-EP4 (256–1,024 tokens) at batch 64–512.
 #
-# The same model prices a prefill (one step per chunk of up to 8,192 tokens), which
-# later chapters use to turn prefix-cache hits into time-to-first-token saved, and the
-# copy a state checkpoint costs (read and write its bytes once):
+# ### Deep dive: prefill and checkpoint copies
+#
+# The same model prices a prefill (one step per chunk of up to 8,192 tokens), which later
+# chapters use to turn prefix-cache hits into time-to-first-token saved, and the copy a
+# state checkpoint costs (read and write its bytes once):
 
 # %%
+rows = [(dep.name, "hybrid" if cfg is hy else "all-MLA", costs.prefill_seconds(cfg, dep, 10_000) * 1e3,
+         costs.prefill_seconds_saved(cfg, dep, 10_000, 8_000) * 1e3) for dep in (tp4, dp4) for cfg in (hy, mla)]
 for dep in (tp4, dp4):
-    for cfg in (hy, mla):
-        cold = costs.prefill_seconds(cfg, dep, 10_000)
-        saved = costs.prefill_seconds_saved(cfg, dep, 10_000, 8_000)
-        print(f"{dep.name:14s} {cfg.name:16s} prefill of 10,000 tokens {cold * 1e3:7.2f} ms; "
-              f"an 8,000-token hit saves {saved * 1e3:7.2f} ms")
-    print(f"{dep.name:14s} copy of one {costs.checkpoint_bytes(hy, dep) / 1e6:.2f} MB state checkpoint "
+    print(f"{dep.name}: copy of one {costs.checkpoint_bytes(hy, dep) / 1e6:.2f} MB state checkpoint "
           f"(per device): {costs.checkpoint_write_seconds(hy, dep) * 1e6:.1f} us")
+show_table(rows, ["deployment", "model", "prefill 10,000 (ms)", "an 8,000-token hit saves (ms)"],
+           formats={"prefill 10,000 (ms)": ".2f", "an 8,000-token hit saves (ms)": ".2f"})
 
 # %% [markdown]
-# A lone 10,000-token prompt of the hybrid takes 219 ms to prefill on TP4 and 503 ms
-# under DP-attention, where one request's mixers run on one device; copying a
-# checkpoint takes microseconds (5.9 us a device on TP4). Prompts this short sit near the calibration's worst
+# A lone 10,000-token prompt of the hybrid takes 219 ms to prefill on TP4 and 503 ms under
+# DP-attention, where one request's mixers run on one device; copying a checkpoint takes
+# microseconds (5.9 us a device on TP4). Prompts this short sit near the calibration's worst
 # prefill row (the hybrid's 4K prefill, modelled 47% too fast), so read these as lower
 # bounds.
 #
-# ## Decode time on the tiny model (a real CPU measurement)
+# ### Deep dive: decode time on the tiny model (a real CPU measurement)
 #
-# On our CPU the balance is different. First the deterministic part: bytes one decode step
-# reads (float64 weights plus the request's cache) at a few context lengths.
+# On our CPU the balance is different. First the deterministic part: the bytes one decode
+# step reads (float64 weights plus the request's cache) at a few context lengths.
 
 # %%
 timed_contexts = [64, 256, 512, 1024]
 weights_bytes = model.n_params * 8
-print(f"{'context':>8s} {'KV bytes':>11s} {'fixed states':>13s} {'weights':>12s} {'read per token':>15s}")
+rows = []
 for n in timed_contexts:
     b = costs.request_bytes(tiny, costs.LOCAL, n)
-    total = weights_bytes + sum(b.values())
-    print(f"{n:8d} {b['kv']:11,} {b['kda_state'] + b['conv_state']:13,} {weights_bytes:12,} {total:15,}")
+    rows.append((n, b["kv"], b["kda_state"] + b["conv_state"], weights_bytes, weights_bytes + sum(b.values())))
+show_table(rows, ["context", "KV", "fixed states", "weights", "read per token"], title="Bytes per decode step")
 
 # %% [markdown]
-# Then the measurement: we prefill a long prompt in steps and, at each context length,
-# time 10 decode steps on a clone of the cache (so the timed steps do not change the
-# context we measure at) and keep the fastest. Wall-clock numbers vary between runs and
-# machines.
+# Then the measurement: we prefill a long prompt in steps and, at each context length, time
+# 10 decode steps on a clone of the cache (so the timed steps do not change the context we
+# measure at) and keep the fastest. Wall-clock numbers vary between runs and machines.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+from kimilab.timing import best_seconds
+
 long_prompt = np.random.default_rng(5).integers(0, 256, size=max(timed_contexts))
 timing_cache, pos, ms_per_token = model.new_cache(), 0, []
 for n in timed_contexts:
@@ -1012,10 +1069,10 @@ plots.save(fig, "ch03-decode-time")
 plt.show()
 
 # %% [markdown]
-# Decode time per token barely moves with context on `tiny`. Is that the weights? We
-# measure it: the same step against the matrix-vector products it does with every weight
-# matrix (one token times each of them, nothing else), and we count the Python function
-# calls one decode step makes.
+# Decode time per token barely moves with context on `tiny`. Is that the weights? We measure
+# it: the same step against the matrix-vector products it does with every weight matrix
+# (one token times each of them, nothing else), and we count the Python function calls one
+# decode step makes.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1062,91 +1119,107 @@ print(f"decode step {step_ms:.2f} ms; its weight products alone {weights_ms:.2f}
 print(f"one decode step makes {calls['call']:,} Python function calls and {calls['c_call']:,} C-function calls")
 
 # %% [markdown]
-# The weight products are a minority of the step — well under half of it on the machines
-# we tried. Most of a `tiny` decode step is interpreter overhead: about a thousand
-# Python function calls per token, each costing microseconds — the fixed "Python and
-# numpy call overhead" chapter 1 saw flatten its cached decode step. The KV read that
-# grows with context (4,096 B per token for `tiny`) is small beside it. A GPU has its
-# fixed cost too, the per-layer overhead the calibration fitted (most of a batch-1 step
-# at 48B), but at serving batch and long context the step is bytes: weights and caches.
+# The weight products are a minority of the step, well under half of it on the machines we
+# tried. Most of a `tiny` decode step is interpreter overhead: about a thousand Python
+# function calls per token, each costing microseconds, the fixed "Python and numpy call
+# overhead" chapter 1 saw flatten its cached decode step. The KV read that grows with
+# context (4,096 B per token for `tiny`) is small beside it. A GPU has its fixed cost too,
+# the per-layer overhead the calibration fitted (most of a batch-1 step at 48B), but at
+# serving batch and long context the step is bytes: weights and caches.
 #
 # ## Why this cache breaks the serving engine's assumptions
 #
 # Everything a modern engine does with a KV cache rests on one property: the cache of a
-# prefix is a *prefix of the cache*. Rows are appended and never changed. A KDA state is
-# the opposite: one matrix, overwritten by every token. Three consequences, each shown
-# on the tiny model:
-#
-# **1. Pages of different sizes (chapter 4).** KV is stored in fixed pages of a few
-# tokens. A state is one indivisible block per layer whose size has nothing to do with
-# the page size (for `tiny` the KDA state happens to equal one page; the conv state does
-# not, and at the 48B scale a state is tens to over a hundred pages, per device):
+# prefix is a *prefix of the cache*. Rows are appended and never changed. A KDA state is the
+# opposite: one matrix, overwritten by every token. Two requests that share a 60-token
+# prefix can share its KV rows; the KDA state after 100 tokens says nothing usable about the
+# state after 60:
 
 # %%
-for cfg, dep in ((tiny, costs.LOCAL), (kimi_linear_48b, one), (kimi_linear_48b, tp4)):
+long_cache, short_cache = model.new_cache(), model.new_cache()
+model.prefill(tokens, long_cache)
+model.prefill(tokens[:60], short_cache)
+layer_a, layer_k = tiny.attn_layers[0], tiny.kda_layers[0]
+print("KV rows 0..59 of the 100-token cache == KV of the 60-token prefix:",
+      same(long_cache.kv(layer_a)[0][:60], short_cache.kv(layer_a)[0]))
+gap = np.abs(long_cache.kda_state(layer_k) - short_cache.kda_state(layer_k)).max()
+print(f"KDA state after 100 vs after 60 tokens: max |diff| = {gap:.2f} (nothing to slice)")
+
+# %% [markdown]
+# Three engine assumptions fall with it, each the subject of later chapters:
+#
+# - **Pages of one size** (chapter 4): a state is one block per layer, whose size has
+#   nothing to do with a KV page of a few tokens.
+# - **Prefix sharing** (chapters 5–6): the state at 60 exists only if someone saved a state
+#   checkpoint at 60.
+# - **Rollback by truncation** (chapters 7–8): rejecting speculative draft tokens forgets KV
+#   rows, but a state has no "minus a token"; the way back is a snapshot, or a *replay* of
+#   the accepted tokens from it.
+#
+# Splitting a sequence over devices (chapter 9) meets the same wall: KDA's halves compose,
+# in order, instead of adding. The first deep dive sizes a state in pages (113.8 KV pages at
+# 48B on one H200) and derives vLLM's layout, where a state costs 3 blocks of 480 tokens on
+# a TP4 device; the second checks resuming, rollback and composing halves on `tiny`.
+#
+# ### Deep dive: pages of two sizes, and vLLM's layout
+#
+# For `tiny` the KDA state happens to equal one 16-token page; the conv state does not, and
+# at the 48B scale a state is tens to over a hundred pages, per device:
+
+# %%
+rows = []
+for cfg, dep in ((tiny, costs.LOCAL), (hy, one), (hy, tp4)):
     page = 16 * costs.kv_bytes_per_token_layer(cfg, dep)
-    state = costs.kda_state_bytes_per_layer(cfg, dep)
-    conv = costs.conv_state_bytes_per_layer(cfg, dep)
-    print(f"{cfg.name:16s} {dep.name:14s} KV page (16 tokens, 1 layer): {page:>7,} B | KDA state: {state:>9,} B "
-          f"= {state / page:5.1f} pages | conv state: {conv:>6,} B = {conv / page:4.2f} pages")
+    state, conv = costs.kda_state_bytes_per_layer(cfg, dep), costs.conv_state_bytes_per_layer(cfg, dep)
+    rows.append((cfg.name, dep.name, page, state, state / page, conv, conv / page))
+show_table(rows, ["model", "deployment", "KV page B", "KDA state B", "= pages", "conv B", "= pages "],
+           formats={"= pages": ".1f", "= pages ": ".2f"}, title="KV page: 16 tokens of one layer")
 
 # %% [markdown]
 # vLLM's answer ([vllm](references.md#vllm)) is to make the pages equal, one layer at a
-# time: it raises the attention block size until one MLA layer's page holds one KDA
-# layer's state (padding the state page to match), then groups layers so that every
-# group has as many layers as the smallest type. `costs.vllm_hybrid_pages` derives that
-# layout from the per-layer bytes of one device; chapters 4 and 6 build on it. On one
-# device of the TP4 recipe:
+# time: it raises the attention block size until one MLA layer's page holds one KDA layer's
+# state (padding the state page to match), then groups layers so that every group has as
+# many layers as the smallest type. `costs.vllm_hybrid_pages` derives that layout from the
+# per-layer bytes of one device; chapters 4 and 6 build on it. On one device of the TP4
+# recipe:
 
 # %%
-vp = costs.vllm_hybrid_pages(kimi_linear_48b, tp4)
+vp = costs.vllm_hybrid_pages(hy, tp4)
 print(f"deployment: {tp4.describe()}")
 print(f"one MLA layer: {vp.kv_token_bytes:,} B per token; one KDA layer's state + conv: {vp.state_bytes:,} B")
 print(f"attention block: {vp.block_tokens:,} tokens (a multiple of {vp.align_tokens}); page {vp.page_bytes:,} B, "
       f"state page padded by {vp.state_padding_bytes:,} B")
 print(f"layer groups of {vp.group_size}: {vp.attn_groups} MLA group, {vp.kda_groups} KDA groups "
       f"({vp.padded_layers} padded layer slot)")
-print(f"one whole-model state = {vp.checkpoint_blocks} blocks = the price of {vp.state_to_kv_blocks:.0f} KV blocks "
-      f"of {vp.block_tokens:,} tokens")
+print(f"one whole-model state = {vp.checkpoint_blocks} blocks = the price of {vp.state_to_kv_blocks:.0f} KV "
+      f"blocks of {vp.block_tokens:,} tokens")
 print(f"the same state in 512-token KV blocks of all 7 MLA layers: "
-      f"{costs.checkpoint_bytes(kimi_linear_48b, tp4) / (512 * costs.kv_bytes_per_token(kimi_linear_48b, tp4)):.2f}"
-      f" blocks")
+      f"{costs.checkpoint_bytes(hy, tp4) / (512 * costs.kv_bytes_per_token(hy, tp4)):.2f} blocks")
 for dep, align in ((one, 16), (dp4, 16), (tp8, 16), (one, 64)):
-    other = costs.vllm_hybrid_pages(kimi_linear_48b, dep, align_tokens=align)
+    other = costs.vllm_hybrid_pages(hy, dep, align_tokens=align)
     print(f"  {dep.name:14s} with {align}-token alignment: {other.block_tokens:,}-token blocks, "
           f"state page padded by {other.state_padding_bytes:,} B")
 
 # %% [markdown]
-# **2. Prefix sharing (chapters 5–6).** Two requests that share a 60-token prefix can
-# share its KV rows: the first 60 rows of the longer request's KV are exactly the KV of
-# the prefix. The KDA state after 100 tokens, though, says nothing usable about the
-# state after 60 — the state at 60 exists only if someone saved a copy at 60.
+# ### Deep dive: resuming, rolling back and splitting, checked on tiny
+#
+# **Resuming from a checkpoint.** A state checkpoint saved at 60 tokens, plus the shared KV
+# rows of the prefix, continues to exactly the 100-token cache:
 
 # %%
-base = tokens
-long_cache, short_cache = model.new_cache(), model.new_cache()
-model.prefill(base, long_cache)
-model.prefill(base[:60], short_cache)
-layer_a, layer_k = tiny.attn_layers[0], tiny.kda_layers[0]
-print("KV rows 0..59 of the 100-token cache == KV of the 60-token prefix:",
-      same(long_cache.kv(layer_a)[0][:60], short_cache.kv(layer_a)[0]))
-gap = np.abs(long_cache.kda_state(layer_k) - short_cache.kda_state(layer_k)).max()
-print(f"KDA state after 100 vs after 60 tokens: max |diff| = {gap:.2f} (nothing to slice)")
 ckpt = short_cache.checkpoint()
 resumed = HybridCache.from_checkpoint(tiny, ckpt, kv={i: tuple(a[:60] for a in long_cache.kv(i))
                                                       for i in tiny.attn_layers})
-model.prefill(base[60:], resumed)
+model.prefill(tokens[60:], resumed)
 print(f"checkpoint at 60 ({ckpt.nbytes:,} B) + shared KV rows, then 40 more tokens == 100-token cache:",
-      f"max |diff| < 1e-10: {cache_diff(resumed, long_cache) < 1e-10}")
+      f"{cache_diff(resumed, long_cache) < 1e-10}")
 
 # %% [markdown]
-# **3. Rollback (chapters 7–8).** Speculative decoding appends a few draft tokens and
-# then rejects some. For KV, rejecting means forgetting the last rows. For a state there
-# is no "minus a token": the delta rule overwrote what was there. The way back is a
-# snapshot taken before the drafts (`cache.truncate(n, checkpoint)` refuses to roll a
-# KDA cache back without one), or *replay*: keep the layer's projected inputs
-# (`capture`, one `KDACapture` record per KDA layer) and re-run the recurrence for the
-# accepted tokens only.
+# **Rollback.** Four draft tokens, of which only the first two are accepted. The KV rolls
+# back by forgetting rows; the state cannot. `cache.truncate(n, checkpoint)` refuses to roll
+# a KDA cache back without a snapshot. The other way back is *replay*: keep the layer's
+# projected inputs (`capture`, one `KDACapture` record per KDA layer) and re-run the
+# recurrence for the accepted tokens only.
 
 # %%
 snapshot = long_cache.clone()
@@ -1165,15 +1238,14 @@ print("state after 4 drafts == state after the 2 accepted:",
 print("replaying 2 captured steps from the snapshot gives it back:", same(replayed, accepted.kda_state(layer_k)))
 
 # %% [markdown]
-# **4. Splitting a sequence (chapter 9)** runs into the same wall from the other side:
-# plain linear attention's state is a sum, so two halves of a sequence add; KDA's halves
-# *compose*, in order, as affine maps `S -> M S + C` (chapter 2). We check it on the
-# captured inputs of one layer: the state after 100 tokens is the second half's map
-# applied to the first half's state.
+# **Splitting a sequence.** Plain linear attention's state is a sum, so two halves of a
+# sequence add; KDA's halves *compose*, in order, as affine maps `S -> M S + C` (chapter 2).
+# On the captured inputs of one layer, the state after 100 tokens is the second half's map
+# applied to the first half's state:
 
 # %%
 cap = {}
-model.prefill(base, model.new_cache(), capture=cap)
+model.prefill(tokens, model.new_cache(), capture=cap)
 c0 = cap[layer_k]
 M1, C1 = kda.segment_transition(c0.k[:50], c0.v[:50], c0.g[:50], c0.beta[:50])
 M2, C2 = kda.segment_transition(c0.k[50:], c0.v[50:], c0.g[50:], c0.beta[50:])
@@ -1185,118 +1257,96 @@ print("C1 + C2 (adding the halves) == state after 100 tokens:", bool(np.abs(C1 +
 # %% [markdown]
 # ## Summary
 #
-# - The reduced hybrid model has the real Kimi Linear mechanisms: KDA layers (projections,
-#   kernel-4 causal conv, SiLU, L2 norm, low-rank forget gate, beta, delta-rule
-#   recurrence, gated RMSNorm) and NoPE global attention layers, 3 : 1. It is untrained.
-# - Its per-request cache has three kinds: KV for global layers (grows with T), and a KDA
-#   state plus a conv state per KDA layer (fixed size). `HybridCache` holds them behind a
-#   small protocol (`CacheProtocol`) that chapter 4 implements again on pages.
-# - Prefill in one piece, in any pieces, and token-by-token decode — one layer loop with
-#   three KDA kernels — give the same logits and the same final cache as a from-scratch
-#   pass (max |diff| < 1e-10 in float64).
-# - Every 48B number names its deployment (`costs.Deployment`): vLLM's recipe, TP4 on
-#   H200 (the default), or DP4-EP4; bytes are per device. Under TP each device holds a
-#   share of every state but the whole MLA latent.
-# - The hybrid holds 73.0–73.9% less cache per request at 128k–1M than all-MLA, and less
-#   from 472 tokens on a TP4 device, 1,885 on a DP4-EP4 device (or one device).
-# - A step is one forward pass: per-layer overhead, collectives, the weights (the
-#   experts' union, uniform routing assumed), each request's cache. Its five kernel
-#   numbers are fitted to the report's Figure 7 (rms error 13.8%, one row beyond 30%);
-#   SGLang serving runs of a peer model say it is 16–37% slow at serving batch.
-# - At serving batch the hybrid gains throughput at long context (3.5–3.8× at the largest
-#   batch that fits, 128k–1M, both deployments), not TPOT; at 256–1,024 tokens and batch
-#   64–512 its step is up to 13.4% (TP4) or 18.0% (DP4-EP4) *slower* than all-MLA's.
-# - vLLM makes the mixed cache fit one pool by equalising per-layer pages (per device:
-#   1,888-token blocks on one device or under DP-attention, 480 at TP4, 240 at TP8) and
-#   grouping layers; one state then costs 3 KV blocks.
-# - The fixed state cannot be paged like KV, sliced to a prefix, or rolled back by
-#   truncation — the problems chapters 4–9 solve.
+# - **Built:** a reduced 3 : 1 hybrid with the real Kimi Linear mechanisms, untrained, and
+#   its per-request cache: growing KV for the global layers, a fixed KDA state and conv state
+#   per KDA layer (246.0 KiB for `tiny`). Prefill whole, in pieces and token by token agree
+#   to 1e-10.
+# - **Memory at 48B, per device:** 43.4 MB of states per request on one H200, so the hybrid
+#   holds less than all-MLA only from 1,885 tokens on (472 on a TP4 device); at 128K–1M it
+#   holds 73.0–73.9% less, and nearly four times as many 128K requests fit (92 against 24).
+# - **Time (deep dives):** that batch buys 3.53× the decode throughput at 128K on TP4, not a
+#   shorter TPOT; at short context and serving batch the hybrid's step is up to 13.4% (TP4)
+#   or 18.0% (DP4-EP4) slower, by a model 16–37% pessimistic at serving batch.
+# - **Broken assumptions:** a fixed state cannot be paged, sliced or truncated like KV.
+#
+# **Next chapter:** how can one memory pool hold both small KV pages and whole-state blocks
+# of a very different size, without splitting memory between them in advance?
 
 # %% [markdown]
 # ## Exercises
 #
-# Checked exercises come in three cells: the question, a cell where you compute the
-# answer (the student edition, `make student`, leaves it empty for you), and
-# `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
+# Compute `answer` in the empty cell; `verify("N.M", answer)` says "correct" or what is off.
 #
 # **3.1 A tiny request.** How many bytes does one `tiny` request hold after **1,000**
-# tokens, all kinds together? Compute it any way you like (a cache and `nbytes`, or
-# the anatomy table above).
+# tokens, all kinds together?
 
 # %% tags=["solution"]
 c = model.new_cache()
 model.prefill(np.zeros(1000, int), c)
-answer = c.nbytes  # 1000 x 4,096 B of KV + 196,608 B of KDA states + 55,296 B of conv states
+answer = c.nbytes  # KV of 1000 tokens + every KDA and conv state
 
 # %%
 verify("3.1", answer)
 
 # %% [markdown]
-# **3.2 Where KV overtakes the states.** At what context length does the `tiny`
-# model's KV cache first become *larger* than its fixed states (KDA + conv together)?
-# Give the smallest such number of tokens.
+# **3.2 Where KV overtakes the states (predict, then run).** From the per-request table,
+# write down a guess: at about how many tokens does `tiny`'s KV first become *larger* than
+# its fixed states (KDA + conv)? Then compute the smallest such number of tokens.
 
 # %% tags=["solution"]
 answer = (costs.checkpoint_bytes(tiny, costs.LOCAL)
-          // costs.kv_bytes_per_token(tiny, costs.LOCAL) + 1)  # 251,904 B fixed, 4,096 B a token
+          // costs.kv_bytes_per_token(tiny, costs.LOCAL) + 1)  # fixed bytes over KV bytes a token
 
 # %%
 verify("3.2", answer)
 
 # %% [markdown]
-# **3.3 The 48B states.** With the whole model on one device (`costs.ONE_H200`), how
-# many bytes of KDA and conv state does one Kimi-Linear-48B request hold, whatever its
-# length?
+# **3.3 The 48B states.** With the whole model on one device (`costs.ONE_H200`), how many
+# bytes of KDA and conv state does one Kimi-Linear-48B request hold, whatever its length?
 
 # %% tags=["solution"]
-answer = costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200)  # 20 layers x (2 MiB fp32 state + bf16 conv state)
+answer = costs.checkpoint_bytes(kimi_linear_48b, costs.ONE_H200)  # 20 layers x (fp32 state + bf16 conv)
 
 # %%
 verify("3.3", answer)
 
 # %% [markdown]
-# **3.4 (open)** Make a 1 KDA : 1 global variant, `tiny.with_(name="tiny-1to1",
-# layer_pattern="KAKAKAKA")`, and rerun the three-way exactness check. Then do the same
-# at the 48B scale with `kimi_linear_48b.with_(name="kimi-1to1", layer_pattern=...)`: how
-# much of the 75% saving is left, and how many 1M-token requests fit on `costs.VLLM_TP4_H200`
-# and on `costs.DP4_EP4_H200`? (The copy keeps the 48B weight model, `cfg.weights`; that
-# the weights stay the same is an assumption worth stating.)
-#
-# **3.5 (open)** Use `capture` to replay a whole prompt through one KDA layer with
-# `kda.chunk_kda` and compare its final state with `cache.kda_state(i)`. What else
-# (besides q, k, v, g, beta) would you need to store to rebuild the conv state?
-#
 # **3.6 What a checkpoint wastes at TP8.** On one device of vLLM's TP8 recipe
-# (`costs.VLLM_TP8_H200`), vLLM stores one request's state as one block in each KDA layer
-# group (groups of 7 layers, 16-token alignment, as derived above for TP4). How many
-# bytes of that device's pool does one whole-model state occupy *without holding state*:
-# the padding of every state page plus the empty layer slots of the last KDA group?
+# (`costs.VLLM_TP8_H200`), vLLM stores a request's state as one block per KDA layer group
+# (groups of 7 layers, 16-token alignment; the page-layout deep dive derives it for TP4).
+# How many bytes of those blocks hold no state: the padding of every state page plus the
+# empty layer slots of the last group?
 
 # %% tags=["solution"]
-tp8 = costs.VLLM_TP8_H200
-state_layer = (costs.kda_state_bytes_per_layer(kimi_linear_48b, tp8)
-               + costs.conv_state_bytes_per_layer(kimi_linear_48b, tp8))  # 4 of 32 heads per device
-kv_layer = costs.kv_bytes_per_token_layer(kimi_linear_48b, tp8)  # the whole latent, 1,152 B
-block = 16 * -(-state_layer // (16 * kv_layer))  # 240 tokens
-page = block * kv_layer
-groups = -(-len(kimi_linear_48b.kda_layers) // 7)  # 3 groups of 7 for 20 KDA layers: one empty slot
-answer = groups * 7 * page - len(kimi_linear_48b.kda_layers) * state_layer
+state_layer = (costs.kda_state_bytes_per_layer(hy, tp8) + costs.conv_state_bytes_per_layer(hy, tp8))
+kv_layer = costs.kv_bytes_per_token_layer(hy, tp8)  # the whole latent; the state: 4 of 32 heads
+page = 16 * -(-state_layer // (16 * kv_layer)) * kv_layer  # blocks of a multiple of 16 tokens
+answer = -(-len(hy.kda_layers) // 7) * 7 * page - len(hy.kda_layers) * state_layer  # 3 groups of 7
 
 # %%
 verify("3.6", answer)
 
 # %% [markdown]
-# **3.7 Long requests at TP8.** How many hybrid requests of 500,000 tokens fit at once in
-# the TP8 instance (`costs.VLLM_TP8_H200`: 8 H200s, 90% of each device's HBM for the
-# engine, its share of the weights and a 4 GB activation reserve not cache)? And how many
-# on DP4-EP4 (`costs.DP4_EP4_H200`), with half the devices? Give the TP8 number, then
-# compare the two in a sentence.
+# **3.7 Long requests at TP8 (predict, then run).** TP8 (`costs.VLLM_TP8_H200`) has twice
+# the devices of DP4-EP4 (`costs.DP4_EP4_H200`). Predict first which of the two holds more
+# hybrid requests of 500,000 tokens at once, and by what factor. Then compute how many fit
+# on TP8, and check your prediction against DP4-EP4.
 
 # %% tags=["solution"]
-per_device = costs.cache_budget_bytes(kimi_linear_48b, tp8)
-per_request = costs.request_total_bytes(kimi_linear_48b, tp8, 500_000)  # whole latent + 1/8 of the state
-answer = int(per_device // per_request)  # TP: every device holds a share of every request
-print(f"TP8: {answer}; DP4-EP4: {costs.max_batch(kimi_linear_48b, costs.DP4_EP4_H200, 500_000)}")
+# TP: each device holds a share of every request (the whole latent + 1/8 of the state)
+answer = int(costs.cache_budget_bytes(hy, tp8) // costs.request_total_bytes(hy, tp8, 500_000))
+print(f"TP8: {answer}; DP4-EP4: {costs.max_batch(hy, dp4, 500_000)}")
 
 # %%
 verify("3.7", answer)
+
+# %% [markdown]
+# **3.4 (open, ~45 min) A 1 : 1 hybrid.** Rerun the three-way exactness check on
+# `tiny.with_(name="tiny-1to1", layer_pattern="KAKAKAKA")`. Then make a 1 : 1 variant of
+# `kimi_linear_48b` with `.with_(...)`: how much of the 75% saving is left, and how many
+# 1M-token requests fit on `costs.VLLM_TP4_H200` and on `costs.DP4_EP4_H200`? (The copy
+# keeps the 48B weight model, `cfg.weights`; say that you assume the weights unchanged.)
+#
+# **3.5 (open, ~30 min) Rebuilding a state.** Use `capture` to replay a whole prompt through
+# one KDA layer with `kda.chunk_kda` and compare its final state with `cache.kda_state(i)`.
+# What else (besides q, k, v, g, beta) would you need to store to rebuild the conv state?

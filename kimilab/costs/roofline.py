@@ -42,8 +42,8 @@ def decode_point(cfg: ModelConfig, deployment: Deployment, context_len: int, bat
     return DecodePoint(batch, decode_step_seconds(cfg, deployment, context_len, batch))
 
 
-def decode_crossover_tokens(cfg: ModelConfig, baseline: ModelConfig, deployment: Deployment, batch: int,
-                            max_tokens: int = 1 << 20) -> int | None:
+def decode_crossover_tokens(cfg: ModelConfig, baseline: ModelConfig, deployment: Deployment,
+                            batch: int, max_tokens: int = 1 << 20) -> int | None:
     """Smallest context (0..``max_tokens``) at which a decode step of ``batch`` requests of ``cfg``
     takes no longer than one of ``baseline`` on ``deployment`` (None if it never does there).
 
@@ -56,7 +56,8 @@ def decode_crossover_tokens(cfg: ModelConfig, baseline: ModelConfig, deployment:
     hi = check_int("max_tokens", max_tokens, 0, unit="tokens")
 
     def no_slower(L: int) -> bool:
-        return decode_step_seconds(cfg, deployment, L, batch) <= decode_step_seconds(baseline, deployment, L, batch)
+        mine = decode_step_seconds(cfg, deployment, L, batch)
+        return mine <= decode_step_seconds(baseline, deployment, L, batch)
 
     if not no_slower(hi):
         return None

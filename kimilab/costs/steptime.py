@@ -56,10 +56,11 @@ class StepWork:
         k = kernels or self.deployment.kernels
         dev = self.deployment.device
         bw = dev.hbm_bandwidth * k.bandwidth
+        mixer_flops_s = (self.attention_flops / (dev.peak_flops * k.attention)
+                         + self.kda_flops / (dev.peak_flops * k.kda))
         return {"overhead": self.layers * k.layer_overhead_s, "communication": self.comm_seconds,
                 "weights": max(self.weight_bytes / bw, self.weight_flops / (dev.peak_flops * k.gemm)),
-                "mixers": max(self.cache_bytes / bw, self.attention_flops / (dev.peak_flops * k.attention)
-                              + self.kda_flops / (dev.peak_flops * k.kda))}
+                "mixers": max(self.cache_bytes / bw, mixer_flops_s)}
 
     def seconds(self, kernels: Kernels | None = None) -> float:
         return sum(self.parts(kernels).values())

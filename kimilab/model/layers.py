@@ -171,7 +171,8 @@ class KDALayer:
         """Gain of the pre-mixer RMSNorm."""
         return self.weights["mix_norm"]
 
-    def project(self, x: np.ndarray, conv_state: np.ndarray | None = None) -> tuple[KDACapture, np.ndarray]:
+    def project(self, x: np.ndarray,
+                conv_state: np.ndarray | None = None) -> tuple[KDACapture, np.ndarray]:
         """Projections -> conv -> SiLU -> L2 norm, gate, beta for tokens x [T, d].
 
         Returns (the capture record, the new conv state). Works for T >= 1 tokens,
