@@ -151,7 +151,8 @@ class PagedHybridCache(CacheProtocol):
             need = need_blocks * self.pages_per_block
             if not self.pool.ensure_free(need):
                 raise PoolExhausted.of(self.pool, "kv", need)
-            new = [self.pool.allocate("kv", self.pages_per_block, owner=self.owner) for _ in range(need_blocks)]
+            new = [self.pool.allocate("kv", self.pages_per_block, owner=self.owner)
+                   for _ in range(need_blocks)]
             self._blocks[i].extend(new)
             self._page_table[i] = np.concatenate([self._page_table[i]] + [a.pages for a in new])
         pages, slots = self._slots(i, np.arange(start, start + T))

@@ -74,7 +74,8 @@ class RequestAllocator:
         for pool, kind, pages, nbytes in self._pieces:
             mem.handles.append((pool, self._alloc(pool, kind, pages, nbytes, request_id)))
         if n_blocks:  # the prompt's blocks in one allocation
-            mem.kv_handles.append(self._alloc(self.layout.kv_pool, "kv", n_blocks * self._block_pages, None, request_id))
+            n_pages = n_blocks * self._block_pages
+            mem.kv_handles.append(self._alloc(self.layout.kv_pool, "kv", n_pages, None, request_id))
         mem.n_blocks = n_blocks
         self._requests[request_id] = mem
         self._tokens += mem.tokens
