@@ -40,8 +40,8 @@ class DecodeClock:
         t = live.req.tenant
         self._dec_tenants[t] = self._dec_tenants.get(t, 0) + 1
         self._serial += 1
-        heapq.heappush(self._done_heap, (self._G + live.req.output_length - live.generated, self._serial,
-                                         live.epoch, live))
+        done_at = self._G + live.req.output_length - live.generated
+        heapq.heappush(self._done_heap, (done_at, self._serial, live.epoch, live))
         self._push_grow(live)
 
     def _push_grow(self, live: Live) -> None:

@@ -204,7 +204,8 @@ class Engine(DecodeClock):
         if mem.state_pages:  # a model without KDA layers has no state to hold
             live.allocs.append(pool.allocate("kda_state", mem.state_pages))
         live.cache, live.path, live.base, live.own_tokens = cache, path, base, kv_pages * self.block
-        live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)  # its prefill starts here
+        # its prefill starts here
+        live.marked = bisect.bisect_right([node.end for node in path], out.usable_hit)
         live.hit, live.kv_hit, live.done = out.usable_hit, out.kv_hit, out.usable_hit
         self._backlog -= out.usable_hit  # its prefill starts at the hit
         live.served += out.usable_hit

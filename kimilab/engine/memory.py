@@ -76,8 +76,8 @@ class InstanceMemory:
         own = self.cache(tenant)
         if pool.n_free + own.tree._spare_pages >= n_pages:
             return True
-        over = sorted(((self._pages(c) - self.reserved[t], t) for t, c in self.caches.items() if t != tenant),
-                      reverse=True)
+        over = sorted(((self._pages(c) - self.reserved[t], t) for t, c in self.caches.items()
+                       if t != tenant), reverse=True)
         for excess, other in over:
             deficit = n_pages - pool.n_free - own.tree._spare_pages
             if deficit <= 0:
@@ -89,7 +89,8 @@ class InstanceMemory:
             floor = self.reserved[other]
             target = pool.n_free + min(deficit, excess)
             tree = cache.tree
-            while pool.n_free < target and self._pages(cache) > floor:  # one unit at a time, never below the share
+            # one unit at a time, never below the share
+            while pool.n_free < target and self._pages(cache) > floor:
                 leaf, ck = tree.peek_evictable(), cache._peek_checkpoint()
                 if leaf is None and ck is None:
                     break
@@ -99,7 +100,8 @@ class InstanceMemory:
                     cache._drop_checkpoint(ck)
                     tree.requeue(ck)
                 else:
-                    cost = tree.allocs_per_node + (cache.checkpoint_pages if leaf.payload is not None else 0)
+                    ck_pages = cache.checkpoint_pages if leaf.payload is not None else 0
+                    cost = tree.allocs_per_node + ck_pages
                     if self._pages(cache) - cost < floor:
                         break
                     tree._evict(leaf)

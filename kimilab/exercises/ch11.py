@@ -1,4 +1,4 @@
-"""Chapter 11's checked exercises: the experiment's numbers."""
+"""Chapter 11's checked exercises: the experiment's numbers, and speculation at a higher corruption."""
 
 from kimilab import costs
 from kimilab.config import tiny
@@ -36,3 +36,18 @@ def _():
     from kimilab.experiment import cost_per_m_output
 
     return cost_per_m_output(8 * 4 * 3600.0, 2.0, 8 * 2_000_000)
+
+
+@exercise("11.6", "target passes at corruption 0.6",
+          hint=("Each verify step is one pass of the target: it keeps the accepted drafts and adds one token of its "
+                "own, so the more drafts are corrupted, the more steps the same tokens take.",
+                "Draft the reduced model's own continuation of the agent session's first prompt with 60% of drafts "
+                "corrupted, decode 12 tokens four drafts at a time with the snapshot rollback, and count the "
+                "steps the result records."))
+def _():
+    from kimilab.speculative import ControlledDrafter, speculative_generate
+
+    model = Model(tiny, seed=0)
+    prompt = list(sessions("agent", 1, 0, tiny.vocab_size)[0].first)
+    drafter = ControlledDrafter(model, prompt, 12 + 8, corruption=0.6, seed=0)
+    return len(speculative_generate(model, prompt, 12, drafter, k=4, rollback="snapshot").steps)

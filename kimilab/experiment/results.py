@@ -35,8 +35,8 @@ def _version() -> str:
         return "unknown"
 
 
-def run_part_a(out: Path | str | None = None, *, n_sessions: int = 2, n_out: int = 12, repeats: int = 1,
-               seed: int = 0) -> dict:
+def run_part_a(out: Path | str | None = None, *, n_sessions: int = 2, n_out: int = 12,
+               repeats: int = 1, seed: int = 0) -> dict:
     """Part A on the reduced model, every workload x component; writes ``out/part_a.json`` if given."""
     n_sessions = check_int("n_sessions", n_sessions, 1)
     model = Model(tiny, seed=seed)
@@ -45,13 +45,15 @@ def run_part_a(out: Path | str | None = None, *, n_sessions: int = 2, n_out: int
         work = sessions(kind, n_sessions, seed, tiny.vocab_size)
         reference = None
         for config in CONFIGS:
-            cost, outputs = second_request(model, config, work, n_out=n_out, repeats=repeats, reference=reference)
+            cost, outputs = second_request(model, config, work, n_out=n_out, repeats=repeats,
+                                           reference=reference)
             reference = outputs if reference is None else reference
             rows.append({"workload": kind, **cost.as_dict()})
     result = {
         "experiment": "part A: what a second request saves (reduced model, real CPU work)",
-        "config": {"model": tiny.name, "seed": seed, "sessions_per_workload": n_sessions, "new_tokens": n_out,
-                   "repeats": repeats, "drafter": "controlled, corruption 0.2, k = 4", "block_tokens": 16},
+        "config": {"model": tiny.name, "seed": seed, "sessions_per_workload": n_sessions,
+                   "new_tokens": n_out, "repeats": repeats,
+                   "drafter": "controlled, corruption 0.2, k = 4", "block_tokens": 16},
         "kimilab": _version(),
         "python": platform.python_version(),
         "rows": rows,

@@ -104,8 +104,9 @@ def _knee(row: dict, result, slo) -> dict:
     return row
 
 
-def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8, price_per_hour: float = 2.0,
-                         start: float = 4.0, rel_tol: float = 0.05, trace: Path | str | None = None, slo=MOONCAKE_SLO,
+def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8,
+                         price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
+                         trace: Path | str | None = None, slo=MOONCAKE_SLO,
                          deployment: str | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo``, and its price."""
     cfg, dep, policy, cap = _setup(v, deployment)
@@ -115,13 +116,15 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
     t0 = time.perf_counter()
 
     def run(scale):
-        return run_fleet(reqs, cfg, deployment=dep, instances=instances, router=v.router, capacity_tokens=cap,
-                         rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, reqs))
+        return run_fleet(reqs, cfg, deployment=dep, instances=instances, router=v.router,
+                         capacity_tokens=cap, rate_scale=scale, policy=policy, block_size=BLOCK,
+                         guard=SloGuard(slo, reqs))
 
     scale, res, tried = max_rate_scale(run, slo, start=start, rel_tol=rel_tol)
     row = _base_row(v, "conversation")
     row["deployment"] = dep.name
-    row.update({"instances": instances, "max_rate_scale": round(scale, 6), "tried": [[round(s, 6), ok] for s, ok in tried]})
+    row.update({"instances": instances, "max_rate_scale": round(scale, 6),
+                "tried": [[round(s, 6), ok] for s, ok in tried]})
     if res is None:
         row["goodput"] = 0.0
         return row
@@ -130,7 +133,8 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
     row.update({"requests_per_s": round(len(reqs) / span, 6),
                 "goodput": round(p["requests_per_s_per_instance"], 6),
                 "output_tokens_per_s_per_instance": round(p["output_tokens_per_s_per_instance"], 6),
-                "usd_per_m_output": round(p["usd_per_m_output"], 6), "busy_fraction": round(p["busy_fraction"], 6),
+                "usd_per_m_output": round(p["usd_per_m_output"], 6),
+                "busy_fraction": round(p["busy_fraction"], 6),
                 "usable_hit_rate": round(res.usable_hit_rate(), 6),
                 "kv_hit_rate": round(float(res.kv_hit.sum() / res.input_tokens.sum()), 6),
                 "preemptions": res.preemptions, "run_wall_s": round(time.perf_counter() - t0, 3)})

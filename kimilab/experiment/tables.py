@@ -7,7 +7,7 @@ from kimilab.config import kimi_linear_48b
 from kimilab.experiment.variants import BASELINE, model_of
 from kimilab.fleet.goodput import AGENT_SLO, MOONCAKE_SLO
 
-__all__ = ["assumptions", "part_b_table"]
+__all__ = ["assumptions", "part_b_table", "PART_B_COLUMNS", "part_b_rows", "part_b_cells", "part_b_notes"]
 
 
 def assumptions(*, n_requests: int, instances: int, agent_instances: int, agent_duration_s: float, seeds: int,
@@ -46,27 +46,51 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def part_b_table(result: dict) -> str:
-    """Markdown: one row per variant, both workloads side by side, ratios to the strong baseline."""
+# per instance: chat in requests/s, agents in concurrent sessions; "x": the ratio to the baseline's;
+# "$/M": USD per million output tokens; "busy": the fraction of the time the chat instance stepped
+PART_B_COLUMNS = ("variant", "chat", "chat x", "chat $/M", "busy", "agents", "agents x", "agents $/M")
+_PART_B_FORMATS = (".3f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f")
+
+
+def part_b_rows(result: dict) -> list[tuple]:
+    """The headline table as values, one tuple per variant in ``PART_B_COLUMNS`` order (None: no value),
+    for a notebook table (``kimilab.notebook.show_table``)."""
     rows = result["rows"]
     conv = {r["variant"]: r for r in rows if r["workload"] == "conversation"}
     agent = {r["variant"]: r for r in rows if r["workload"] == "agents"}
-    names = list(dict.fromkeys(r["variant"] for r in rows))
-    lines = ["| variant | chat: req/s per instance | x baseline | $/M out | busy | agents: sessions per instance "
-             "| x baseline | $/M out |", "|---|---|---|---|---|---|---|---|"]
-    for n in names:
+    out = []
+    for n in dict.fromkeys(r["variant"] for r in rows):
         c, a = conv.get(n, {}), agent.get(n, {})
-        mark = " (baseline)" if n == result["baseline"] else ""
-        lines.append(f"| {n}{mark} | {_f(c.get('goodput'), '.3f')} | {_f(c.get('goodput_ratio'), '.2f')} "
-                     f"| {_f(c.get('usd_per_m_output'), '.2f')} | {_f(c.get('busy_fraction'), '.2f')} "
-                     f"| {_f(a.get('goodput'), '.2f')} | {_f(a.get('goodput_ratio'), '.2f')} "
-                     f"| {_f(a.get('usd_per_m_output'), '.2f')} |")
+        out.append((n + (" (baseline)" if n == result["baseline"] else ""), c.get("goodput"), c.get("goodput_ratio"),
+                    c.get("usd_per_m_output"), c.get("busy_fraction"), a.get("goodput"), a.get("goodput_ratio"),
+                    a.get("usd_per_m_output")))
+    return out
+
+
+def part_b_cells(result: dict) -> list[tuple]:
+    """``part_b_rows`` formatted as the markdown table shows them ("-": no value)."""
+    return [(name, *(_f(x, f) for x, f in zip(values, _PART_B_FORMATS))) for name, *values in part_b_rows(result)]
+
+
+def part_b_notes(result: dict) -> list[str]:
+    """What the table rests on: one paragraph (workloads, SLOs, deployment, price, baseline), then the notes."""
     cfg = result["config"]
     cv, ag = cfg["conversation"], cfg["agents"]
-    lines += ["", f"Conversation: the first {cv['requests']:,} requests of {cv['trace']} on {cv['instances']} "
-              f"instances, {cv['slo']} ({cv['slo_source']}). Agents: {ag['sessions']} on {ag['instances']} "
-              f"instances, {ag['window_s']:g} s windows x {ag['seeds']} session orders, {ag['slo']}. "
-              f"Each instance: {cfg['deployment']}; ${cfg['price_usd_per_accelerator_hour']:g} per "
-              f"accelerator-hour. Baseline: {BASELINE}."]
-    lines += [f"- {n}" for n in cfg["notes"]]
+    head = (f"Conversation: the first {cv['requests']:,} requests of {cv['trace']} on {cv['instances']} "
+            f"instances, {cv['slo']} ({cv['slo_source']}). Agents: {ag['sessions']} on {ag['instances']} "
+            f"instances, {ag['window_s']:g} s windows x {ag['seeds']} session orders, {ag['slo']}. "
+            f"Each instance: {cfg['deployment']}; ${cfg['price_usd_per_accelerator_hour']:g} per "
+            f"accelerator-hour. Baseline: {BASELINE}.")
+    return [head] + list(cfg["notes"])
+
+
+def part_b_table(result: dict) -> str:
+    """Markdown: one row per variant, both workloads side by side, ratios to the strong baseline."""
+    lines = ["| variant | chat: req/s per instance | x baseline | $/M out | busy | agents: sessions per instance "
+             "| x baseline | $/M out |", "|---|---|---|---|---|---|---|---|"]
+    for cells in part_b_cells(result):
+        lines.append("| " + " | ".join(cells) + " |")
+    head, *notes = part_b_notes(result)
+    lines += ["", head]
+    lines += [f"- {n}" for n in notes]
     return "\n".join(lines)

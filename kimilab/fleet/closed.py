@@ -77,8 +77,9 @@ def session_turns(rows) -> list[list[Turn]]:
     return out
 
 
-def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, duration_s: float, seed: int = 0,
-                    start_spread_s: float = 60.0, lookahead_s: float = 0.25, guard=None):
+def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, duration_s: float,
+                    seed: int = 0, start_spread_s: float = 60.0, lookahead_s: float = 0.25,
+                    guard=None):
     """Serve ``concurrency`` sessions at a time on ``fleet`` for ``duration_s`` simulated seconds (no
     request is sent after that; those in flight finish). Returns the fleet's result."""
     from kimilab.fleet.result import FleetResult
@@ -95,7 +96,7 @@ def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, dura
     heap: list = []  # (due s, serial, slot, replay, turn index)
     serial = 0
     replays = 0
-    state: dict = {}  # replay -> [session turns, slot, turns finished, follow-ups by turn, id shift]
+    state: dict = {}  # replay -> [turns, slot, turns finished, follow-ups by turn, id shift]
     next_id = 0
 
     def start(slot: int, t: float) -> None:
@@ -138,8 +139,9 @@ def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, dura
         due = heap[0][0] if heap else math.inf
         busy = [e for e in engines if e.alive and (e.running or len(e.queue))]
         if busy:
-            # advance the engine furthest behind, no further than the next arrival or lookahead_s past the
-            # next-furthest-behind engine (whose finishes may send it a follow-up), stopping at a finish
+            # advance the engine furthest behind, no further than the next arrival or lookahead_s
+            # past the next-furthest-behind engine (whose finishes may send it a follow-up),
+            # stopping at a finish
             busy.sort(key=lambda e: (e.clock, e.index))
             e = busy[0]
             if e.clock < due:
@@ -159,7 +161,8 @@ def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, dura
         turns, _, _, _, shift = state[k]
         turn = turns[j]
         req = Request(next_id, int(round(1000 * due)), turn.input_length, turn.output_length,
-                      hash_ids=tuple(h + shift for h in turn.hash_ids), session=k, tenant="agent", kind="agent")
+                      hash_ids=tuple(h + shift for h in turn.hash_ids), session=k, tenant="agent",
+                      kind="agent")
         finished_ids[next_id] = (k, j)
         next_id += 1
         fleet._route(Live(req, due), due)
