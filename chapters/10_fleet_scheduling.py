@@ -150,7 +150,7 @@ show_table([("KV bytes per token, per device", f"{costs.kv_bytes_per_token(CFG, 
 show_source(Engine._admit)
 
 # %% [markdown]
-# <a id="term-preemption"></a>When the pool runs out while a request grows, the cache is
+# When the pool runs out while a request grows, the cache is
 # evicted first (it is only a cache). If everything left is pinned by running requests,
 # the newest running request is *preempted*: its pages are freed and it is later
 # recomputed from its usable hit. One instance with a small pool, the first requests at
@@ -228,7 +228,7 @@ show_source(DecodeClock._anchor)
 # decoding a handful of requests steps all the time, so it reads as busy while it could
 # take ten times the load.
 #
-# <a id="term-ttft"></a><a id="term-tpot"></a><a id="term-slo"></a><a id="term-goodput"></a>Capacity
+# <a id="term-ttft"></a><a id="term-slo"></a><a id="term-goodput"></a>Capacity
 # is the most load a fleet carries while its users still get the latency they were
 # promised. The promise is a *service-level objective* (SLO): a bound on a percentile of
 # the time to first token (TTFT, from arrival to the first output token) and of the time
