@@ -36,8 +36,9 @@ class Crossover:
         return f"pays {side} {fmt.format(self.x)}{' ' + unit if unit else ''}"
 
 
-def crossover(gain: Callable[[float], float], lo: float, hi: float, *, level: float = 0.0, log: bool = True,
-              grid: int = 33, tol: float = 1e-3, integer: bool = False) -> Crossover:
+def crossover(gain: Callable[[float], float], lo: float, hi: float, *, level: float = 0.0,
+              log: bool = True, grid: int = 33, tol: float = 1e-3,
+              integer: bool = False) -> Crossover:
     """The x in [lo, hi] where ``gain(x)`` crosses ``level`` ("pays" means gain > level).
 
     A grid of ``grid`` points (log-spaced if ``log``) finds the first sign change; bisection
