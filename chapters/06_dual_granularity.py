@@ -19,38 +19,31 @@
 # # 6. Dual-granularity prefix caching
 #
 # **What you'll build.** A prefix cache for a hybrid model that keeps two kinds of
-# memory in one page pool: KV pages at *fine* granularity (one 512-token block per
-# page, as in chapter 5) and KDA state *checkpoints* at *coarse* granularity, only
-# where a policy admits them. Our own policies (`ends`, `ends+branch`, `dual`) stand
-# beside the designs that ship, replayed as their engines store them: vLLM's `align`
-# mode at vLLM's own block size, SGLang's `no_buffer` and `extra_buffer` strategies on
-# its split pools, TensorRT-LLM's periodic snapshots, and Marconi's eviction as its
-# authors published it. Beside them, a *clairvoyant* cache that knows every request
-# still to come, so each curve reads against what could be reached at all.
+# memory in one page pool: KV pages at *fine* granularity (one 512-token block per page,
+# as in chapter 5) and KDA state *checkpoints* at *coarse* granularity, only where a
+# policy puts them. Then you replay an hour of Kimi's chat traffic through it to find
+# how often a checkpoint is worth its memory.
 #
 # **What you'll learn.**
-# - The *usable hit*: the deepest position where both the KV and a state checkpoint
-#   exist. A hybrid model resumes there and recomputes only the rest.
-# - Why the trade-off is memory, and why it depends on the deployment: on one device of
-#   vLLM's TP4 recipe a checkpoint costs 2.6 KV pages of 512 tokens, under DP-attention 10.5.
-# - Which policy wins where, on two real traces -- Kimi's conversation hour (Mooncake)
-#   and 80 Claude Code agent sessions -- at 10 GB to a whole device's free memory per
-#   device: usable hit rate and the prefill time it saves.
-# - What int8 and bf16 checkpoints buy in hits and cost in quality.
-# - That resuming from a checkpoint is *exact*: the same logits and final cache as a
-#   cold prefill, on the tiny model.
+# - What a *usable hit* is: the deepest cached position where both the KV and a state
+#   checkpoint exist. A hybrid model resumes there; a KV hit without a state saves nothing.
+# - That resuming from a checkpoint is *exact*: the same logits and cache as a cold prefill.
+# - Why the checkpoint interval is a memory trade-off: every state is paid for in KV pages.
+# - Which interval wins on real traffic, from 10 GB to 160 GB of cache per device.
+# - In deep dives: the designs that ship (Marconi, vLLM, SGLang, TensorRT-LLM) beside a
+#   clairvoyant cache, a second trace of agent sessions, int8 checkpoints, DP-attention.
 #
 # **What you'll need.** Chapter 5 (radix tree, traces, why a KV hit alone saves nothing
-# for a hybrid model) and chapter 4 (the page pool). Bytes are per device of a named
-# deployment and FLOPs and seconds come from the same one (`kimilab.costs`, chapter 3):
-# vLLM's published Kimi-Linear recipe, four H200s at tensor parallelism 4, unless a cell
-# says DP-attention. The exactness and quality checks run the reduced, untrained `tiny`
-# model. Speeds are CPU speeds of a Python simulation. This chapter replays both real
-# traces 119 times; it takes about 45 s on two idle cores.
+# for a hybrid model) and chapter 4 (the page pool). Bytes, FLOPs and seconds are per
+# device of vLLM's published Kimi-Linear recipe, four H200s at tensor parallelism 4,
+# unless a cell says otherwise (`kimilab.costs`, chapter 3). The exactness check runs
+# the reduced, untrained `tiny` model; speeds are CPU speeds of a Python simulation.
+# Reference pages: [glossary](glossary.md), [notation](notation.md), [API](api.md).
 
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import display
 
 import kimilab.prefix as prefix
 import kimilab.traffic as wl
@@ -58,7 +51,7 @@ from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.exercises import verify
 from kimilab.model import HybridCache, Model
-from kimilab.notebook import show_source
+from kimilab.notebook import key_results, show_source, show_table
 from kimilab.prefix import fidelity, marconi, offload, precision
 from kimilab.sim import SGLANG_RATIO, Replay, replay_many, simulate, vllm_align_interval
 
@@ -69,153 +62,135 @@ BLOCK = 512
 print(DEP.describe())
 print(DP.describe())
 
+# %%
+# Key results (each number is computed here and derived step by step below)
+page = {d: costs.checkpoint_bytes(CFG, d) / (BLOCK * costs.kv_bytes_per_token(CFG, d)) for d in (DEP, DP)}
+REAL = f"../data/{wl.MOONCAKE_CONVERSATION}"  # one hour of Kimi's chat traffic (chapter 5)
+DEVICE_GB = round(costs.cache_budget_bytes(CFG, DEP) / 1e9, 1)  # one TP4 device's whole cache budget
+SIZES = [10, 40, DEVICE_GB, 160]  # GB of cache memory per device
+SCHEMES = {"every 512": ("every-block", ()),  # a state every N tokens of the prompt, and at its end
+           **{f"every {n:,}": ("periodic", (("interval", n),)) for n in (2048, 8192)},
+           "request ends": ("ends", ()),  # N = infinity: only where a prompt ends
+           "attention": ("kv-only", ())}  # states free and everywhere: the attention bound
+sweep = replay_many({(s, gb): Replay(REAL, p, gb, DEP, options=o) for s, (p, o) in SCHEMES.items() for gb in SIZES})
+hit = {k: r.usable_hit_rate for k, r in sweep.items()}
+state_share = {k: r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean) for k, r in sweep.items()}
+ends_gap = max(max(hit[s, gb] for s in SCHEMES if s != "attention") - hit["request ends", gb] for gb in SIZES)
+h512, hends, hkv = hit["every 512", 40], hit["request ends", 40], hit["attention", 40]
+key_results(
+    f"A hybrid model can resume a cached prefix only at a usable hit, where the KV and a KDA state checkpoint "
+    f"both exist; a checkpoint costs {page[DEP]:.2f} KV pages of {BLOCK} tokens per TP4 device, "
+    f"{page[DP]:.2f} under DP-attention.",
+    f"On an hour of Kimi chat at 40 GB per device, a checkpoint every 512 tokens puts {state_share['every 512', 40]:.0%} "
+    f"of the memory into states and leaves a usable hit rate of {h512:.3f}; request ends only: {hends:.3f}.",
+    f"At every memory size from {SIZES[0]} to {SIZES[-1]} GB the usable hit rises with the checkpoint interval, "
+    f"and request ends alone stay within {ends_gap:.3f} of the best interval.",
+    f"That is {hends / hkv:.2f} of the {hkv:.3f} an attention model gets from the same 40 GB, and "
+    f"{hit['request ends', DEVICE_GB] / hit['attention', DEVICE_GB]:.2f} at a device's whole {DEVICE_GB} GB budget.",
+)
+
 # %% [markdown]
-# ## What a checkpoint costs, per device
+# ## The usable hit, and what a checkpoint costs
 #
-# Chapter 5 ended with the problem: the KV of a shared prefix is worthless to a hybrid
-# model unless it also has the KDA state at exactly the end of that prefix. A *state
-# checkpoint* is a copy of every KDA state and every conv state of a request at one
-# position (`HybridCache.checkpoint()`, chapter 3). Its size does not depend on the
-# position -- but it does depend on how the model is split over devices. Under tensor
-# parallelism each device holds a quarter of the KDA heads (so a quarter of every state)
-# and the *whole* MLA latent of every token (MLA has one latent head). Under
-# DP-attention a device holds whole requests. Next to one 512-token page of KV on the
-# same device:
+# <a id="term-usable-hit"></a>Chapter 5 ended with a problem: the KV of a shared prefix is
+# worthless to a hybrid model on its own. A KDA layer carries its whole history in a
+# fixed-size state, so to skip the first $p$ tokens of a prompt the model needs the KV of
+# those $p$ tokens in every global layer *and* the state of every KDA layer right after
+# token $p$. The **usable hit** of a request is the deepest position $p$ where the cache
+# holds both; the model loads them and recomputes only the tokens after $p$. The *usable
+# hit rate* of a replay is the share of all prompt tokens skipped this way.
+#
+# A **state checkpoint** is a copy of every KDA state and
+# every conv state of a request at one position (`HybridCache.checkpoint()`, chapter 3).
+# Its size does not depend on the position, but it does depend on how the model is split
+# over devices. Under tensor parallelism each device holds a quarter of the KDA heads (a
+# quarter of every state) and the *whole* MLA latent of every token (MLA has one latent
+# head); under DP-attention a device holds whole requests. Next to one 512-token page of
+# KV on the same device:
 
 # %%
-print(f"{'deployment':<16} {'KV/token':>9} {'page (512)':>11} {'checkpoint':>11} {'ckpt/page':>9} "
-      f"{'pool pages':>10} {'KV tokens it displaces':>22}")
+rows = []
 for dep in (DEP, costs.VLLM_TP8_H200, DP, costs.ONE_H200):
     kv, ck = costs.kv_bytes_per_token(CFG, dep), costs.checkpoint_bytes(CFG, dep)
-    page = BLOCK * kv
-    print(f"{dep.name:<16} {kv:>7,d} B {page / 2**20:>7.2f} MiB {ck / 2**20:>7.2f} MiB {ck / page:>9.2f} "
-          f"{-(-ck // page):>10d} {ck // kv:>22,d}")
-kv_per_token, ckpt_bytes = costs.kv_bytes_per_token(CFG, DEP), costs.checkpoint_bytes(CFG, DEP)
-ckpt_pages = -(-ckpt_bytes // (BLOCK * kv_per_token))
+    rows.append((dep.name, kv, BLOCK * kv / 2**20, ck / 2**20, ck / (BLOCK * kv), -(-ck // (BLOCK * kv)), ck // kv))
+kv_per_token = costs.kv_bytes_per_token(CFG, DEP)
+show_table(rows, ["deployment", "KV B/token", "page MiB", "ckpt MiB", "ckpt/page", "pool pages", "KV tokens"],
+           formats={"page MiB": ".2f", "ckpt MiB": ".2f", "ckpt/page": ".2f"},
+           title="One checkpoint beside one 512-token KV page, per device (KV tokens: what it displaces)")
 
 # %% [markdown]
-# On one device of the TP4 recipe a checkpoint (10.35 MiB) costs 2.63 pages, rounded
-# up to 3 pool pages; under DP-attention, or with the whole model on one device, it
-# costs 10.5 pages (11). The same policy therefore pays four times as much memory per
-# state in one deployment as in the other, and a verdict about which policy wins can
-# flip with the deployment: the chapter shows both where it does. Storing a state at
-# every block boundary multiplies the memory per cached block by four at TP4 and by
-# twelve under DP-attention. States buy usable hits, but they are paid for with KV.
-
-# %% [markdown]
+# On one device of the TP4 recipe a checkpoint (10.35 MiB) costs 2.63 pages, 3 pool pages
+# once rounded up; under DP-attention, or with the whole model on one device, it costs
+# 10.52 pages (11). States buy usable hits, but they are paid for with KV: a cache that
+# stores a state at every block boundary holds four times as much memory per cached block
+# at TP4, and twelve times under DP-attention. That trade-off is the whole chapter.
+#
 # ## The cache: KV blocks in a radix tree, checkpoints on its nodes
 #
 # `HybridPrefixCache` reuses chapter 5's `RadixTree` for the KV blocks and hangs at
 # most one checkpoint on each node (SGLang's `MambaRadixCache` does the same with a
-# per-token tree: KV per token, at most one state per node,
-# [sglang](references.md#sglang)). A checkpoint on node *n* is the state after the last
-# token of *n*'s block, so its whole prefix's KV is on the path above it, always.
-# Serving one request:
+# per-token tree, [sglang](references.md#sglang)). A checkpoint on node *n* is the state
+# after the last token of *n*'s block, so its whole prefix's KV is on the path above it.
+# Serving one request takes four steps:
 #
 # 1. match the prompt's blocks: the **KV hit** is the deepest cached block whose KV has
 #    been computed;
-# 2. the **usable hit** is the deepest node *on that path* with a *computed* checkpoint
-#    (capped at prompt length − 1, since the last prompt token must be computed to get
-#    the logits that start decoding). In a replay every request finishes before the next
-#    begins, so every block and checkpoint is computed; chapter 10's engine runs requests
-#    side by side and marks a block or checkpoint computed only once a prefill has passed it;
+# 2. the **usable hit** is the deepest node *on that path* with a *computed* checkpoint,
+#    capped at prompt length − 1 (the last prompt token must be computed to get the
+#    logits that start decoding);
 # 3. insert the missing blocks, evicting if the pool is full;
 # 4. let the policy pick the positions, beyond the usable hit, where the prefill (which
 #    passes through them anyway) should leave a checkpoint, and admit them.
+#
+# Steps 1 and 2, which define the usable hit in code:
+
+# %%
+show_source(prefix.HybridPrefixCache.hits)
+
+# %% [markdown]
+# "Computed" matters once requests run side by side (chapter 10): a block or checkpoint
+# holds its data only once the prefill that inserted it has passed it. In this chapter's
+# replays every request finishes before the next begins. `begin` runs the four steps:
 
 # %%
 show_source(prefix.HybridPrefixCache.begin)
 
 # %% [markdown]
-# When the pool is full, two kinds of things can go: an unpinned KV *leaf* (taking its
-# checkpoint with it, since a state without the KV of its prefix is useless) or a
-# checkpoint alone (its KV stays; it may still serve a deeper checkpoint). The
-# cheapest of the two, by the policy's rank, goes first:
-
-# %%
-show_source(prefix.HybridPrefixCache.reclaim)
-
-# %% [markdown]
-# ## Where states go, and what is evicted first
+# When the pool is full, an unpinned KV *leaf* can go (taking its checkpoint with it: a
+# state without its prefix's KV is useless) or a checkpoint alone (its KV stays).
+# Whichever the policy ranks lower goes first (`HybridPrefixCache.reclaim`).
 #
-# Each policy answers two questions: where to admit checkpoints, and how to rank what
-# to evict. Ours, each one idea more than the one before:
+# ## Where states go: checkpoint policies
 #
-# - **`kv-only`**: the pure-attention reference. States are free and everywhere, so
-#   usable hit = KV hit at the same KV memory and eviction order: the *attention bound*.
+# A *policy* says where to admit checkpoints and how to rank what to evict. Ours, from
+# the most states to the fewest:
+#
 # - **`every-block`**: a checkpoint at every 512-token block boundary the prefill passes.
-#   (This is what TensorRT-LLM's `mamba_state_cache_interval` does at 512 tokens; it is
-#   *not* vLLM's `all` mode, whose blocks are vLLM's own, below.)
-# - **`align`**: checkpoints at the end of each prefill chunk of 2,048 tokens and at the
-#   request end, on 512-token blocks.
-# - **`ends`**: a checkpoint where each request's last whole block ends, plain LRU. The
-#   next turn of a conversation re-sends the previous prompt and its reply, so it
-#   resumes exactly there.
-# - **`ends+branch`**: `ends` plus *branch points* discovered as traffic arrives -- a node
-#   where a new prompt leaves an already cached path. Still LRU.
-# - **`dual`**: `ends+branch` with a FLOP-aware rank. A unit (a leaf with its
-#   checkpoint, or a checkpoint alone) ranks by
+#   <a id="term-checkpoint-interval"></a>More generally, `periodic` with a *checkpoint
+#   interval* of $N$ tokens keeps a state at every multiple of $N$ and at the request
+#   end; `every-block` is $N = 512$.
+# - **`align`**: a state at the end of each 2,048-token prefill chunk, counted from the
+#   usable hit, and at the request end.
+# - **`ends`**: a state where each request's last whole block ends, plain LRU. The next
+#   turn of a conversation re-sends the previous prompt and its reply, so it resumes
+#   exactly there. This is $N = \infty$.
+# - <a id="term-branch-point"></a>**`ends+branch`**: `ends` plus *branch points*
+#   discovered as traffic arrives: a node where a new prompt leaves an already cached
+#   path. Still LRU.
+# - <a id="term-turnover"></a>**`dual`**: `ends+branch` with a FLOP-aware rank. A unit (a
+#   leaf with its checkpoint, or a checkpoint alone) ranks by
+#   $\text{rank} = t_\text{last} + \alpha\,F(e)/F(512)$, where $t_\text{last}$ is its last
+#   use counted in *turnovers* (pages admitted / pool pages), $F(e)$ the prefill FLOPs of
+#   its whole prefix of $e$ tokens, and $\alpha = 0.005$; the lowest rank goes first.
+#   With $\alpha = 0$ it *is* `ends+branch` (a test holds them equal).
+# - **`kv-only`**, the reference: states are free and everywhere, so usable hit = KV hit
+#   at the same KV memory: the *attention bound*.
 #
-#   $$\text{rank} = t_\text{last} + \alpha\,\frac{F(e)}{F(512)},$$
-#
-#   where $t_\text{last}$ is its last use in *turnovers* (pages admitted / pool pages),
-#   $F(e)$ the prefill FLOPs of its whole prefix of $e$ tokens, and $\alpha = 0.005$;
-#   the lowest rank goes first, and the state of a live branch point is never evicted
-#   alone. With $\alpha = 0$ it *is* `ends+branch` (a test holds them equal).
-#
-# And the designs that ship, each replayed as its engine stores states:
-#
-# - **Marconi** ([marconi](references.md#marconi)) admits what `ends+branch` admits and
-#   evicts as its artifact's `evict_v2` does. Every node with at most one child is a
-#   candidate -- a leaf with its segment, or an inner node's state alone. For a node whose
-#   segment runs from its parent's end $p$ to its own end $e$, with state bytes $S$ and
-#   KV bytes $k$ per token,
-#
-#   $$\text{eff} = \frac{F(e) - F(p)}{S + k\,e}, \qquad
-#     \text{rec} = \frac{1}{t_\text{now} - t_\text{last}}, \qquad
-#     \text{score} = \alpha\,\widehat{\text{eff}} + \widehat{\text{rec}},$$
-#
-#   where the hats are min-max normalised over all current candidates, and the lowest
-#   score goes. The FLOPs are saved *relative to the parent* -- what this node adds --
-#   per byte of one state plus its whole prefix's KV. $\alpha$ starts at 0 and is
-#   tuned online: when the cache has seen five times as many requests as it had at its
-#   first eviction, it replays all of them from an empty cache at each $\alpha$ in
-#   0, 0.1, ..., 2.0 and keeps the one that saved the most prefill FLOPs over the
-#   window's last 500 requests (`config_tuner.py`, [marconi-artifact](references.md#marconi-artifact)).
-# - **vLLM `align`** ([vllm-prefix](references.md#vllm-prefix)) at vLLM's own block size for the
-#   deployment, a state at each scheduled chunk's end (chunks are split on the block
-#   grid) and at the request's last whole block, and at the *shared-prefix boundary*
-#   where a prompt's KV hit outruns its state hit; one pool, LRU.
-# - **SGLang `no_buffer` / `extra_buffer`** ([sglang-prefix](references.md#sglang-prefix)) on two
-#   pools fixed in advance: states get 0.9 / 1.9 of the memory (its
-#   `--mamba-full-memory-ratio`), KV the rest. `no_buffer` keeps a state at each
-#   chunked-prefill chunk's end and at the request end; `extra_buffer` also at the
-#   branching point where the KV hit outruns the state hit. When KV runs short the least
-#   recently used leaf goes; when states run short, the least recently used state
-#   anywhere (an inner one becomes a "tombstone": its KV stays).
-#
-# Marconi's and SGLang's trees keep a node per *segment* -- the KV between two places
-# that matter -- so they run in `prefix.SegmentCache`, which a test holds equal to a
-# block-by-block slow twin. Marconi's eviction, as code:
-
-# %%
-show_source(marconi.MarconiScorer.victim)
-show_source(marconi.efficiency)
-
-# %% [markdown]
-# The two ranks differ in three ways. `dual` prices a checkpoint by the FLOPs of its
-# *whole* prefix per checkpoint and holds its weight fixed; Marconi prices the FLOPs a
-# node adds over its parent per byte of state *and* prefix KV, normalises both terms over
-# the candidates at every eviction (so $\alpha$ means the same at any scale), and tunes
-# $\alpha$ on the traffic it sees.
-#
-# A toy trace with 4-token blocks shows where states go. Prompts A and B share two
-# blocks and then diverge; C shares the same two blocks. Under `dual`, A leaves a
-# state at its end only. B's KV hit is 8 tokens, but no state exists at 8, so B
-# recomputes from 0 -- and on the way leaves a checkpoint at 8, because 8 is now a
-# branch point. C resumes there. `ends` (and `align` with a long chunk, which stores
-# request ends only) never learns about the branch; `every-block` has it too, at the
-# price of seven checkpoints against `dual`'s four.
+# A toy trace with 4-token blocks: prompts A, B and C share two blocks, then diverge.
+# Under `dual`, B's KV hit is 8 tokens but no state exists there, so B recomputes from 0
+# and on the way leaves a checkpoint at 8, now a branch point; C resumes there. `ends`
+# (and `align` with a long chunk) never learns about the branch; `every-block` has it
+# too, at the price of seven checkpoints against `dual`'s four.
 
 # %%
 def toy_records(paths):
@@ -227,38 +202,37 @@ def toy_records(paths):
     return out
 
 
-toy = toy_records([[0, 0, 1, 1], [0, 0, 2], [0, 0, 3, 3]])
+toy, rows = toy_records([[0, 0, 1, 1], [0, 0, 2], [0, 0, 3, 3]]), []
 for name, kwargs in [("every-block", {}), ("align", {"interval": 64}), ("ends", {}), ("dual", {})]:
     cache = prefix.HybridPrefixCache.for_budget(CFG, prefix.make_policy(name, **kwargs), deployment=DEP,
                                                 block_size=4, capacity_tokens=200_000)
-    rows = [cache.serve(r.hash_ids, r.input_length) for r in toy]
-    print(f"{name:<12} KV hit {[o.kv_hit for o in rows]}  usable {[o.usable_hit for o in rows]}  "
-          f"checkpoints added {[list(o.checkpoint_positions) for o in rows]}")
+    got = [cache.serve(r.hash_ids, r.input_length) for r in toy]
+    rows.append((name, str([o.kv_hit for o in got]), str([o.usable_hit for o in got]),
+                 str([list(o.checkpoint_positions) for o in got])))
+show_table(rows, ["policy", "KV hit (A, B, C)", "usable hit", "checkpoints added"])
 
 # %% [markdown]
 # ## Resuming from a checkpoint is exact
 #
-# The accounting above is only worth anything if resuming is exact. `ModelPrefixCache`
-# is the same cache holding real tensors for the runnable `tiny` model, in the same page
-# pool as the requests it serves (next section). To serve a prompt it gives the request
-# a paged cache (chapter 4) that starts on the cached KV pages of the usable hit and on
-# a copy of the checkpointed states, prefills only the rest — in pieces that end at the
-# positions where new checkpoints are captured — and writes the new blocks' KV straight
-# into pages the tree keeps. We compare each request with a cold prefill of the full
-# prompt (a test, `tests/test_prefix.py`, does the same over random traces, with requests
-# still running while the next one shares their pages):
+# The accounting above is only worth anything if resuming is exact. `ModelPrefixCache` is
+# the same cache holding real tensors for the runnable `tiny` model. It gives a request a
+# paged cache (chapter 4) that starts on the cached KV pages of the usable hit and on a
+# copy of the checkpointed states, prefills only the rest, and writes the new blocks' KV
+# straight into pages the tree keeps. We compare logits, every KV entry and every KDA and
+# conv state with a cold prefill of the full prompt (`tests/test_prefix.py` does the same
+# over random traces, with requests running side by side).
 
 # %%
 model = Model(tiny, seed=0)
 rng = np.random.default_rng(6)
-system = rng.integers(0, 256, 40)
+system = rng.integers(0, 256, 40)  # a system prompt every user shares
 turn1 = np.concatenate([system, rng.integers(0, 256, 23)])
 other = np.concatenate([system, rng.integers(0, 256, 30)])  # another user, same system prompt
 later = np.concatenate([system, rng.integers(0, 256, 12)])  # a third, after the branch exists
 reply = model.generate(turn1, 8)  # the model's answer to turn 1 (untrained: noise, but real tokens)
-turn2 = np.concatenate([turn1, reply, rng.integers(0, 256, 9)])  # the next turn re-sends turn 1 AND the reply
+turn2 = np.concatenate([turn1, reply, rng.integers(0, 256, 9)])  # re-sends turn 1 AND the reply
 store = prefix.ModelPrefixCache(model, "dual", block_size=16, capacity_tokens=16 * 64)
-worst = 0.0
+worst, rows = 0.0, []
 for name, prompt in [("turn 1", turn1), ("turn 2", turn2), ("other", other), ("later", later)]:
     logits, cache, out = store.prefill(prompt)
     cold = HybridCache(tiny)
@@ -269,9 +243,9 @@ for name, prompt in [("turn 1", turn1), ("turn 2", turn2), ("other", other), ("l
     diffs += [np.abs(cache.conv_state(i) - cold.conv_state(i)).max() for i in tiny.kda_layers]
     worst = max(worst, max(diffs))
     cache.free()  # the request is done: its own pages go back, its prompt's blocks stay cached
-    print(f"{name:<7} {len(prompt):3d} tokens: KV hit {out.kv_hit:2d}, usable {out.usable_hit:2d}, "
-          f"recomputed {out.recomputed:2d}, new checkpoints at {list(out.checkpoint_positions)}")
+    rows.append((name, len(prompt), out.kv_hit, out.usable_hit, out.recomputed, str(list(out.checkpoint_positions))))
 print(f"logits, KV, KDA and conv states equal a cold prefill: max |diff| < 1e-10: {worst < 1e-10}")
+show_table(rows, ["request", "tokens", "KV hit", "usable hit", "recomputed", "new checkpoints at"])
 
 # %% [markdown]
 # Turn 2 re-sends turn 1 and the model's 8-token reply to it, as a real next turn does.
@@ -281,32 +255,37 @@ print(f"logits, KV, KDA and conv states equal a cold prefill: max |diff| < 1e-10
 # checkpoint at the branch point 32, which the later user resumes from. Every result
 # is the cold prefill's to float64 round-off.
 #
-# ## One pool: a finished request's pages become cached prefix
+# Nothing was copied into a cache on the side: the deep dive below follows the pool's
+# pages and shows that request 2 reads the very pages request 1 wrote (the same
+# allocation ids), while only states are copied into checkpoint pages.
 #
-# Nothing above was copied into a cache on the side. The radix tree and the requests draw
-# pages from one `PagePool`, in which a page holds one 16-token block of one global
-# layer's KV (`tiny` has two global layers, so a block is two pages). When a prompt
-# arrives, the cache registers its whole blocks in the tree, and the request's paged
-# cache *adopts* those very pages (`PagedHybridCache.adopt`): a second reference to each
-# page (`pool.share`), so its prefill writes KV straight into what will be cached. When
-# the request ends and frees its cache, its references go, and the pages stay with their
-# other owner, the tree — the way vLLM's block manager and SGLang's radix cache keep a
-# finished request's blocks. Only states are copied, into checkpoint pages, because
-# every token overwrites a state. The request's own state pages, and the partial last
-# block it keeps writing into, go back to the pool. Watch the pool's page counts:
+# ### Deep dive: one pool, a finished request's pages become cached prefix
+#
+# The radix tree and the requests draw pages from one `PagePool`, in which a page holds
+# one 16-token block of one global layer's KV (`tiny` has two global layers, so a block is
+# two pages). When a prompt arrives, the cache registers its whole blocks in the tree, and
+# the request's paged cache *adopts* those very pages (`PagedHybridCache.adopt`): a
+# second reference to each page (`pool.share`), so its prefill writes KV straight into
+# what will be cached. When the request ends and frees its cache, its references go, and
+# the pages stay with their other owner, the tree, the way vLLM's block manager and
+# SGLang's radix cache keep a finished request's blocks. Only states are copied, into
+# checkpoint pages, because every token overwrites a state. The request's own state
+# pages, and the partial last block it keeps writing into, go back to the pool. Which
+# blocks a request shares with the tree, and the eviction step a full pool calls:
 
 # %%
-show_source(prefix.ModelPrefixCache.shared_blocks)
+display(show_source(prefix.ModelPrefixCache.shared_blocks))
+show_source(prefix.HybridPrefixCache.reclaim)
 
 # %%
 store = prefix.ModelPrefixCache(model, "dual", block_size=16, capacity_tokens=16 * 64)
 pool, layer = store.pool, tiny.attn_layers[0]
+moments = []
 
 
 def pages(moment):
     used = pool.stats().pages_by_kind
-    print(f"{moment:<31} KV {used['kv']:3d}  KDA state {used['kda_state']:3d}  conv state "
-          f"{used['conv_state']:3d}  checkpoint {used['checkpoint']:3d}  free {pool.n_free:3d} of {pool.n_pages}")
+    moments.append((moment, used["kv"], used["kda_state"], used["conv_state"], used["checkpoint"], pool.n_free))
 
 
 pages("empty pool")
@@ -315,52 +294,98 @@ written = first.block_table(layer)
 pages("request 1 prefilled (63 tokens)")
 first.free()
 pages("request 1 finished and freed")
-print(f"  left behind: {store.cache.kv_pages} KV pages (3 blocks x 2 layers) and "
-      f"{store.cache.n_checkpoints} checkpoint of {store.cache.checkpoint_pages} pages, at token {out1.checkpoint_positions[0]}")
+left = (store.cache.kv_pages, store.cache.n_checkpoints, store.cache.checkpoint_pages, out1.checkpoint_positions[0])
 logits2, second, out2 = store.prefill(turn2)
 pages("request 2 prefilled (80 tokens)")
-print(f"  request 2 resumes at token {out2.usable_hit}; its first blocks of layer {layer} are "
-      f"{second.block_table(layer)[:3]}, request 1's were {written[:3]}: read in place")
-cold = HybridCache(tiny)
-print(f"  logits equal a cold prefill: {np.abs(logits2 - model.prefill(turn2, cold)[out2.usable_hit:]).max() < 1e-10}")
+exact = np.abs(logits2 - model.prefill(turn2, HybridCache(tiny))[out2.usable_hit:]).max() < 1e-10
+reads = second.block_table(layer)[:3]
 second.free()
 pages("request 2 finished and freed")
+print(f"request 1 left behind {left[0]} KV pages (3 blocks x 2 layers) and {left[1]} checkpoint "
+      f"of {left[2]} pages, at token {left[3]}")
+print(f"request 2 resumes at token {out2.usable_hit}; its first blocks of layer {layer}: {reads}")
+print(f"request 1's first blocks: {written[:3]}, read in place; logits equal a cold prefill: {exact}")
+show_table(moments, ["moment", "KV", "KDA state", "conv state", "checkpoint", "free"],
+           title=f"Pool pages by kind (of {pool.n_pages})")
 
 # %% [markdown]
 # Request 1 held 12 state pages while it ran (one page of KDA state and one of conv state
 # per KDA layer, at 32 KiB a page); they came back the moment it finished, and so did
 # the partial last block it wrote (2 pages). Its three whole prompt blocks (6 pages) and
-# its checkpoint (8 pages) stayed. Request 2 started on exactly those pages — same
-# allocation ids, no copy — and took from the free pages only its own states, its two
+# its checkpoint (8 pages) stayed. Request 2 started on exactly those pages (same
+# allocation ids, no copy) and took from the free pages only its own states, its two
 # new blocks and a checkpoint at its end, which stay cached after it. The pool holds
 # both kinds of memory, so under pressure a running request comes first: when a request
 # needs pages and none are free, the pool asks the prefix cache to evict unpinned blocks
-# and checkpoints (`PagePool.reclaim`, wired to `HybridPrefixCache.make_room`).
+# and checkpoints (`PagePool.reclaim`, wired to `HybridPrefixCache.make_room`, which
+# runs the `reclaim` above).
 
 # %% [markdown]
-# ## Replaying an hour of traffic: runs of blocks
+# ## How often to checkpoint: an hour of Kimi's chat traffic
 #
-# The tree above makes one node per 512-token block. Replaying Moonshot's conversation
-# trace (chapter 5; 12,031 requests, one hour of Kimi's traffic,
-# [mooncake](references.md#mooncake)) through it creates and evicts one node per new
-# block, and that Python bookkeeping -- not the cache's decisions -- is what a replay
-# costs. Most of those blocks sit in chains that nobody branches from: the new suffix
-# of one request, used once. `RunPrefixCache` keeps such a chain as **one** node, a
-# *run* of blocks stamped and pinned together. It splits a run only where a later
-# prompt stops or leaves it, and when it evicts, it trims a run's tail with the same
-# ranks and the same tie-breaking as the block tree -- in one step while the order of
-# what goes cannot change on the way.
-#
-# It is a twin, not a new design: the same policy objects, the same clock, the same
-# checkpoint heap. `tests/test_runs.py` holds every request's outcome (KV hit, usable
-# hit, checkpoints added and where) equal to the block tree's, on random branching
-# traffic and on the real trace.
+# Now the chapter's question. Moonshot's conversation trace (chapter 5; 12,031 requests,
+# one hour of Kimi's traffic, [mooncake](references.md#mooncake)) is replayed through the
+# cache by its own timestamps, one request at a time, at 10 and 40 GB per device, at one
+# TP4 device's whole cache budget (`costs.cache_budget_bytes`) and at 160 GB, more than an
+# H200 holds. The schemes differ only in the checkpoint interval, all with LRU eviction;
+# `kv-only` gives the attention bound. The Key results cell ran these `Replay` jobs with
+# `replay_many`, which spreads them over the cores; here we read its `sweep`:
 
 # %%
-REAL = f"../data/{wl.MOONCAKE_CONVERSATION}"
 real = wl.load_trace(REAL, BLOCK)
+show_table([(s, *(hit[s, gb] for gb in SIZES), state_share[s, 40]) for s in SCHEMES],
+           ["checkpoints", *(f"{gb:g} GB" for gb in SIZES), "states @40 GB"],
+           formats={**{f"{gb:g} GB": ".3f" for gb in SIZES}, "states @40 GB": ".0%"},
+           title=f"Usable hit rate on {len(real):,} requests (share of the memory in states at 40 GB)")
 
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12.0, 4.4))
+spaced, x = [s for s in SCHEMES if s != "attention"], [512, 2048, 8192, 32768]  # request ends at the right edge
+for gb, c in zip(SIZES, plt.cm.viridis(np.linspace(0.0, 0.85, len(SIZES)))):
+    axes[0].plot(x, [hit[s, gb] for s in spaced], marker="o", color=c, label=f"{gb:g} GB per device")
+    axes[0].axhline(hit["attention", gb], color=c, linestyle="--", linewidth=1)
+    axes[1].plot(x, [100 * state_share[s, gb] for s in spaced], marker="o", color=c)
+for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, ["512", "2,048", "8,192", "request\nends only"])
+    ax.minorticks_off()
+    ax.set_xlabel("checkpoint interval (tokens)")
+axes[0].set(ylabel="usable hit rate (token-weighted)", title="Usable hits (dashed: attention bound, same memory)")
+axes[1].set(ylabel="share of cache memory in checkpoints (%)", title="Where the memory goes", ylim=(0, 80))
+axes[0].legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 0.12))
+plots.save(fig, "ch06-interval-sweep")
+plt.show()
 
+# %% [markdown]
+# Takeaway: on chat traffic, sparser checkpoints win at every memory size. A state every
+# 512 tokens puts 75% of 40 GB into states and leaves a usable hit rate of 0.061; every
+# 2,048 tokens, 0.133; every 8,192, 0.176; request ends alone, 0.182, within 0.001 of the
+# best interval at every size. A mid-prompt state pays only if a later request stops
+# exactly there, and on chat the next turn resumes where the previous one *ended*; every
+# other state just displaces KV. More memory narrows the gap (0.225 against 0.326 at
+# 160 GB) but does not close it. Request ends keep 0.84 of the attention bound's hits at
+# 40 GB and 0.89 at the device's whole budget.
+#
+# The replays run in `RunPrefixCache`, a fast twin of the block tree above that keeps a
+# chain of blocks nobody branches from as one node; the deep dive shows every outcome of
+# the twin equal to the block tree's.
+#
+# ### Deep dive: runs of blocks, a fast twin of the block tree
+#
+# The tree above makes one node per 512-token block. Replaying the trace through it
+# creates and evicts one node per new block, and that Python bookkeeping, not the cache's
+# decisions, is what a replay costs. Most of those blocks sit in chains that nobody
+# branches from: the new suffix of one request, used once. `RunPrefixCache` keeps such a
+# chain as **one** node, a *run* of blocks stamped and pinned together. It splits a run
+# only where a later prompt stops or leaves it, and when it evicts, it trims a run's tail
+# with the same ranks and the same tie-breaking as the block tree, in one step while the
+# order of what goes cannot change on the way. It is a twin, not a new design: the same
+# policy objects, the same clock, the same checkpoint heap. `tests/test_runs.py` holds
+# every request's outcome (KV hit, usable hit, checkpoints added and where) equal to the
+# block tree's, on random branching traffic and on the real trace; here, the first 3,000
+# requests:
+
+# %%
 def replay(records, policy, gb, *, fast=True, keep=False):
     """One replay of a trace through a prefix cache of ``gb`` GB per device of the default deployment."""
     policy = prefix.make_policy(policy) if isinstance(policy, str) else policy
@@ -372,9 +397,9 @@ def replay(records, policy, gb, *, fast=True, keep=False):
 
 first = real[:3000]
 twins = {fast: replay(first, "dual", 40, fast=fast, keep=True) for fast in (False, True)}
-print(f"first {len(first):,} requests of the real trace, dual at 40 GB: every outcome equal: "
-      f"{twins[False].per_request == twins[True].per_request}; usable hit rate "
-      f"{twins[True].usable_hit_rate:.4f} both ways")
+print(f"first {len(first):,} requests, dual at 40 GB: every outcome equal: "
+      f"{twins[False].per_request == twins[True].per_request}")
+print(f"usable hit rate {twins[True].usable_hit_rate:.4f} both ways")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -382,47 +407,120 @@ print(f"wall clock, same run: block tree {twins[False].wall_seconds:.2f} s, runs
       f"({twins[False].wall_seconds / twins[True].wall_seconds:.1f}x)")
 
 # %% [markdown]
-# ## What the engines ship
+# ## Verdict, and the designs that ship
 #
-# **vLLM.** For a hybrid model vLLM keeps one pool of equal pages: it raises the
+# Keep few states, where requests end, and spend the rest of the memory on KV: on real
+# chat traffic a fixed grid of checkpoints buys no hits that request ends do not, and
+# each state displaces 1,346 tokens of KV at TP4. The verdict is byte-driven, and it
+# holds at every memory size replayed, 10 to 160 GB per device. The deep dives test it
+# against everything else and find:
+#
+# - the designs that ship sit at or below `ends+branch` (0.184 at 40 GB): Marconi ties it
+#   where its online tuning keeps alpha at 0, vLLM `align` keeps 0.158, SGLang 0.121;
+# - on 80 Claude Code agent sessions the order holds (`ends+branch` 0.937 at 40 GB),
+#   `dual`'s FLOP weight collapses (0.628), and a clairvoyant cache shows the room left:
+#   on chat the best online policy reaches 0.22 of it at 10 GB, 0.77 at a whole device;
+# - SGLang's fixed split leaves 18.9 GB to states that use 4.8 GB on average;
+# - int8 checkpoints (3.53x smaller) add up to 6.1% of prefill time saved, for a logit
+#   error of about 0.8% of the logits' spread on the tiny model;
+# - under DP-attention the ranking holds, but `ends` keeps 0.672 of the attention bound
+#   at 40 GB instead of 0.839;
+# - a host-DRAM tier loads a 16,384-token hit 156x faster than recomputing it;
+# - and the last one times the replays.
+#
+# ### Deep dive: the designs that ship, as their engines store states
+#
+# Each is replayed as its engine stores states:
+#
+# - **Marconi** ([marconi](references.md#marconi)) admits what `ends+branch` admits and
+#   evicts as its artifact's `evict_v2` does. Every node with at most one child is a
+#   candidate: a leaf with its segment, or an inner node's state alone. For a node whose
+#   segment runs from its parent's end $p$ to its own end $e$, with state bytes $S$ and
+#   KV bytes $k$ per token,
+#
+#   $$\text{eff} = \frac{F(e) - F(p)}{S + k\,e}, \qquad
+#     \text{rec} = \frac{1}{t_\text{now} - t_\text{last}}, \qquad
+#     \text{score} = \alpha\,\widehat{\text{eff}} + \widehat{\text{rec}},$$
+#
+#   where the hats are min-max normalised over all current candidates, and the lowest
+#   score goes. The FLOPs are saved *relative to the parent* (what this node adds) per
+#   byte of one state plus its whole prefix's KV. $\alpha$ starts at 0 and is tuned
+#   online: when the cache has seen five times as many requests as it had at its first
+#   eviction, it replays all of them from an empty cache at each $\alpha$ in 0, 0.1, ...,
+#   2.0 and keeps the one that saved the most prefill FLOPs over the window's last 500
+#   requests (`config_tuner.py`, [marconi-artifact](references.md#marconi-artifact)).
+# - **vLLM `align`** ([vllm-prefix](references.md#vllm-prefix)) at vLLM's own block size for the
+#   deployment, a state at each scheduled chunk's end (chunks are split on the block grid)
+#   and at the request's last whole block, and at the *shared-prefix boundary* where a
+#   prompt's KV hit outruns its state hit; one pool, LRU.
+# - **SGLang `no_buffer` / `extra_buffer`** ([sglang-prefix](references.md#sglang-prefix)) on two
+#   pools fixed in advance: states get 0.9 / 1.9 of the memory (its
+#   `--mamba-full-memory-ratio`), KV the rest. `no_buffer` keeps a state at each
+#   chunked-prefill chunk's end and at the request end; `extra_buffer` also at the
+#   branching point where the KV hit outruns the state hit. When KV runs short the least
+#   recently used leaf goes; when states run short, the least recently used state
+#   anywhere (an inner one becomes a "tombstone": its KV stays).
+# - **TensorRT-LLM** ([trtllm-prefix](references.md#trtllm-prefix)) snapshots every
+#   `mamba_state_cache_interval` tokens from token 0 and at the prompt's end, in one pool
+#   with LRU block reuse: that is `periodic`, the interval sweep above; at 512 tokens it
+#   is `every-block` (its example configuration uses 256, finer than the trace resolves).
+# - <a id="term-clairvoyant-cache"></a>The **clairvoyant cache** (`oracle`,
+#   `prefix.oracle`) knows every request still to come. It admits a state only where a
+#   later request will resume and evicts, Belady-style, what is worth least per byte per
+#   request until its next use. Caching with sizes and values is NP-hard to do optimally,
+#   so it is a strong reference, not a proven bound: each curve reads against what could
+#   be reached at all.
+#
+# Marconi's and SGLang's trees keep a node per *segment* (the KV between two places
+# that matter), so they run in `prefix.SegmentCache`, which a test holds equal to a
+# block-by-block slow twin. Marconi's eviction, as code:
+
+# %%
+display(show_source(marconi.MarconiScorer.victim))
+show_source(marconi.efficiency)
+
+# %% [markdown]
+# The two ranks differ in three ways. `dual` prices a checkpoint by the FLOPs of its
+# *whole* prefix per checkpoint and holds its weight fixed; Marconi prices the FLOPs a
+# node adds over its parent per byte of state *and* prefix KV, normalises both terms over
+# the candidates at every eviction (so $\alpha$ means the same at any scale), and tunes
+# $\alpha$ on the traffic it sees.
+#
+# **vLLM in detail.** For a hybrid model vLLM keeps one pool of equal pages: it raises the
 # attention block until one MLA layer's page holds one KDA layer's state, per device
 # ([vllm](references.md#vllm); `costs.vllm_hybrid_pages`, chapter 3). Its shipped
 # prefix-caching mode for GDN/KDA models is `align` ([vllm-prefix](references.md#vllm-prefix), PR #30877): the scheduler cuts a
 # prefill into chunks on the block grid and keeps the state at each chunk's end. Since
-# then a state at the *shared-prefix boundary* -- where a prompt's KV hit runs past its
-# state hit -- is kept too (PR #37898, extended to the retention intervals of PRs
-# #43447 / #45845 by #47782); with the default retention every chunk end stays. The
-# `all` mode, a state at every block, is still in open pull requests for these models.
-# For Kimi-Linear in particular: `KimiLinearForCausalLM` declares no
+# then a state at the *shared-prefix boundary* is kept too (PR #37898, extended to the
+# retention intervals of PRs #43447 / #45845 by #47782); with the default retention every
+# chunk end stays. The `all` mode, a state at every block, is still in open pull requests
+# for these models. For Kimi-Linear in particular: `KimiLinearForCausalLM` declares no
 # `SupportsMambaPrefixCaching`, and the published recipe pins vLLM 0.11.2, whose
 # `MambaModelConfig` turns prefix caching *off* for such a model; later versions turn it
 # on in `align` mode instead (and fall back from `all` to `align`). So what vLLM ships
 # for this model today is `align` at the block sizes below, or nothing:
 
 # %%
+rows = []
 for dep in (DEP, costs.VLLM_TP8_H200, DP):
     v = costs.vllm_hybrid_pages(CFG, dep)
-    print(f"{dep.name:<14} block {v.block_tokens:>5,d} tokens; a state = {v.checkpoint_blocks} blocks "
-          f"= KV of {v.checkpoint_blocks * v.block_tokens:,d} tokens; align keeps a state every "
-          f"{vllm_align_interval(dep, v.block_tokens):,d} tokens of prefill "
-          f"(max_num_batched_tokens {dep.max_batched_tokens:,d})")
+    rows.append((dep.name, v.block_tokens, v.checkpoint_blocks, v.checkpoint_blocks * v.block_tokens,
+                 vllm_align_interval(dep, v.block_tokens), dep.max_batched_tokens))
 short = sum(r.input_length <= costs.vllm_hybrid_pages(CFG, DP).block_tokens for r in real)
 print(f"prompts of at most one DP-attention block, which can never hit there: {short:,} of {len(real):,} "
       f"({short / len(real):.0%})")
+show_table(rows, ["deployment", "block", "state blocks", "state = KV of", "align every", "max batched"],
+           title="vLLM's hybrid pages per device (tokens)")
 
 # %% [markdown]
-# At TP4 vLLM's block is 480 tokens -- *finer* than the trace's 512-token blocks -- and a
+# At TP4 vLLM's block is 480 tokens, *finer* than the trace's 512-token blocks, and a
 # state costs 3 of them. The replay keys a vLLM block by the trace block that holds its
 # last token (`sim.rekey`), so it counts a hit only where the trace proves one; with a
-# block finer than the trace that rounds vLLM's hits down by up to a block.
+# block finer than the trace that rounds vLLM's hits down by up to a block. SGLang keeps
+# states in their own pool beside the KV pool, sized once at start; since 0.5.23 it can
+# store the *cached* states int8 (`mamba_checkpoint_pool.py`, deep dive on int8 below).
 #
-# **SGLang** keeps states in their own pool beside the KV pool, sized once at start;
-# since 0.5.23 it can store the *cached* states int8 (`mamba_checkpoint_pool.py`, below).
-# **TensorRT-LLM** ([trtllm-prefix](references.md#trtllm-prefix)) snapshots every `mamba_state_cache_interval` tokens from token 0 and at
-# the prompt's end, in one pool with LRU block reuse; at 512 tokens that is `every-block`
-# here (its example configuration uses 256, finer than the trace resolves).
-#
-# ## Two real traces
+# ### Deep dive: both real traces, every policy, and a clairvoyant cache
 #
 # The conversation trace is chat. For agents we replay real coding-agent traffic: 80
 # Claude Code sessions (5,668 requests, prompts growing to hundreds of thousands of
@@ -438,36 +536,31 @@ print(f"prompts of at most one DP-attention block, which can never hit there: {s
 AGENT, RATE = f"../data/{wl.CLAUDE_CODE}", 0.05
 agent = wl.agent_requests(wl.load_sessions(AGENT), RATE, seed=0)
 TRACES = {"conversation": REAL, "agent": AGENT}
+rows = []
 for name, records in (("conversation", real), ("agent", agent)):
     s = wl.trace_stats(records, BLOCK)
     cold = 1e3 * sum(costs.prefill_seconds(CFG, DEP, r.input_length) for r in records[:2000]) / 2000
-    print(f"{name:<12} {s['requests']:>6,d} requests over {s['duration_s'] / 3600:5.1f} h, prompts {s['input_mean']:>8,.0f} "
-          f"tokens on average (p99 {s['input_p99']:>8,.0f}); infinite-cache ceiling {s['reuse_upper_bound']:.3f}; "
-          f"cold prefill {cold:,.0f} ms (first 2,000)")
+    rows.append((name, s["requests"], s["duration_s"] / 3600, s["input_mean"], s["input_p99"],
+                 s["reuse_upper_bound"], cold))
+show_table(rows, ["trace", "requests", "hours", "mean prompt", "p99 prompt", "ceiling", "cold ms"],
+           formats={"hours": ".1f", "mean prompt": ",.0f", "p99 prompt": ",.0f", "ceiling": ".3f", "cold ms": ",.0f"},
+           title="The two traces (ceiling: infinite-cache hit rate; cold ms: mean prefill, first 2,000 requests)")
 
 # %% [markdown]
 # The agent sessions are a different world: prompts ten times longer, and almost all of
 # each one (0.959 at infinite cache) is the session's own previous request. A cold
 # prefill of one takes seconds, so every hit is worth a great deal.
 #
-# ## The real traces, swept over memory
-#
-# Now every policy on both traces, by their own timestamps, at 10 and 40 GB and at the
-# whole cache budget of one device of the TP4 recipe (`costs.cache_budget_bytes`: HBM
-# share minus its quarter of the weights and an activation reserve), each with int8
+# Now every policy on both traces at 10 and 40 GB and at the device budget, each with int8
 # checkpoints beside the native fp32 ones where a cache can store them (vLLM sizes its
-# pages to the state, so its int8 would be another layout). The figure adds 160 GB per
-# device: more than one H200 has, what a DRAM tier behind the cache (below) could
-# offer. Each replay also turns hits into time: the prefill seconds a request's usable
+# pages to the state, so its int8 would be another layout), and the curves at 160 GB on
+# chat. Each replay also turns hits into time: the prefill seconds a request's usable
 # hit saves (its TTFT, cold prefill minus prefill from the hit, the request alone on the
-# deployment, `costs.prefill_seconds`). All the replays of the rest of the chapter are
-# independent, so one call, `sim.replay_many`, runs them together on the machine's
-# cores (which process ran which changes no number).
+# deployment, `costs.prefill_seconds`). Replays the Key results cell already ran are
+# reused, not run again.
 
 # %%
-DEVICE_GB = round(costs.cache_budget_bytes(CFG, DEP) / 1e9, 1)
 TABLE_GB = [10, 40, DEVICE_GB]
-SIZES = TABLE_GB + [160]
 INT8 = ["oracle", "ends", "ends+branch", "dual", "marconi", "sglang-extra-buffer"]  # int8 where a cache can store it
 TABLE = ["kv-only", "oracle", "ends", "ends+branch", "dual", "marconi", "vllm-align", "sglang-no-buffer",
          "sglang-extra-buffer"]
@@ -489,21 +582,26 @@ for gb in (10, 40):
     jobs["conversation", "vllm-align", "no-shared-prefix", gb] = Replay(REAL, "vllm-align", gb, DEP,
                                                                          options=(("kv_boundary", False),))
 jobs |= {("conversation", n, "native", 40): Replay(REAL, n, 40, DEP) for n in ("every-block", "align")}
-runs = replay_many(jobs)
-print(f"{len(jobs)} replays of two real traces, per device of {DEP.name}")
+done = {Replay(REAL, p, gb, DEP, options=o): sweep[s, gb] for s, (p, o) in SCHEMES.items() for gb in SIZES}
+new = replay_many({k: job for k, job in jobs.items() if job not in done})
+runs = {k: new[k] if k in new else done[job] for k, job in jobs.items()}
+print(f"{len(jobs)} replays of two real traces per device of {DEP.name} "
+      f"({len(jobs) - len(new)} reused from the interval sweep)")
 
 
 def table(t):
     """Usable hit (fp32 | int8) and prefill ms saved per request, per policy and budget."""
-    head = "".join(f" | {gb:>5g} GB: hit  int8   ms saved" for gb in TABLE_GB)
-    print(f"{t} trace{head}")
+    rows = []
     for name in TABLE:
-        cells = ""
+        row = [name]
         for gb in TABLE_GB:
             r, q = runs[t, name, "native", gb], runs.get((t, name, "int8", gb))
-            int8 = f"{q.usable_hit_rate:.3f}" if q else "    -"
-            cells += f" | {r.usable_hit_rate:11.3f} {int8} {r.prefill_ms_saved_per_request:8.1f}"
-        print(f"{name:<19}{cells}")
+            row += [r.usable_hit_rate, f"{q.usable_hit_rate:.3f}" if q else "-", r.prefill_ms_saved_per_request]
+        rows.append(row)
+    cols = ["policy"] + [f"{gb:g} {c}" for gb in TABLE_GB for c in ("hit", "i8", "ms")]
+    return show_table(rows, cols, formats={c: (".3f" if c.endswith("hit") else ".1f") for c in cols
+                                           if c.endswith(("hit", "ms"))},
+                      title=f"{t} trace: usable hit (fp32, i8 = int8) and prefill ms saved per request, by GB")
 
 
 table("conversation")
@@ -519,20 +617,22 @@ table("agent")
 # online policy from the clairvoyant one, at the same checkpoint precision?
 
 # %%
+rows = []
 for t in TRACES:
     for gb in TABLE_GB:
         for prec in ("native", "int8"):
             online = {n: runs[t, n, prec, gb] for n in ONLINE if (t, n, prec, gb) in runs}
             best = max(online, key=lambda n: online[n].usable_hit_rate)
             r, o = online[best].usable_hit_rate, runs[t, "oracle", prec, gb].usable_hit_rate
-            print(f"{t:<12} {gb:>5g} GB {prec:<6}: best online {best:<19} {r:.3f} = {r / o:.2f} of the "
-                  f"clairvoyant {o:.3f} (gap {o - r:.3f}); kv-only {runs[t, 'kv-only', 'native', gb].usable_hit_rate:.3f}")
+            rows.append((t, gb, prec, best, r, r / o, o, o - r, runs[t, "kv-only", "native", gb].usable_hit_rate))
+show_table(rows, ["trace", "GB", "ckpt", "best online", "hit", "/ oracle", "oracle", "gap", "kv-only"],
+           formats={"GB": "g", "hit": ".3f", "/ oracle": ".2f", "oracle": ".3f", "gap": ".3f", "kv-only": ".3f"},
+           title="The best online policy against the clairvoyant cache")
 
 # %%
-for t in TRACES:
-    for gb in TABLE_GB:
-        for prec in ("native", "int8"):
-            print(f"{t:<12} {gb:>5g} GB {prec:<6}: {runs[t, 'marconi', prec, gb].policy_detail}")
+show_table([(t, gb, prec, runs[t, "marconi", prec, gb].policy_detail) for t in TRACES for gb in TABLE_GB
+            for prec in ("native", "int8")], ["trace", "GB", "ckpt", "Marconi's tuned weight"],
+           formats={"GB": "g"})
 
 # %% [markdown]
 # What the tables say, per device of the TP4 recipe:
@@ -557,7 +657,7 @@ for t in TRACES:
 # - **SGLang's split pools lose most**: 0.121 at 40 GB on chat, 0.510 at 10 GB on agents
 #   (`ends`: 0.663). Its KV pool gets 1 / 1.9 of the memory whatever the traffic needs;
 #   `extra_buffer`'s branch points add under 0.002, and int8 states change nothing,
-#   because its KV pool, not its state pool, is what runs out (the memory split below).
+#   because its KV pool, not its state pool, is what runs out (next deep dive).
 # - **The clairvoyant cache** is far above every online policy where memory is scarce and
 #   most prefixes are never reused: on chat at 10 GB the best online policy reaches 0.22
 #   of it, 0.50 at 40 GB and 0.77 at the whole device; on agents, whose sessions come
@@ -605,7 +705,7 @@ plt.show()
 # measured sizes only, and Marconi, measured at the table's three budgets, is drawn as
 # markers alone.)
 #
-# ## Where the memory goes
+# ### Deep dive: where the memory goes
 #
 # The same 40 GB per device on the conversation trace, split between KV pages and
 # checkpoints (time average over the replay; the pool is full almost all the time):
@@ -632,48 +732,55 @@ ax.set_title(f"Memory split on the conversation trace, budget {split_gb} GB per 
 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
 plots.save(fig, "ch06-memory-split")
 plt.show()
+rows = []
 for n in names:
     r = runs["conversation", n, "native", split_gb]
     share = r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean)
-    print(f"{n:<20} KV {r.kv_bytes_mean / 1e9:5.1f} GB  checkpoints {r.checkpoint_bytes_mean / 1e9:5.1f} GB ({share:.0%})  "
-          f"admitted {r.checkpoints_admitted:>7,d}  evicted {r.checkpoints_evicted:>7,d}")
+    rows.append((n, r.kv_bytes_mean / 1e9, r.checkpoint_bytes_mean / 1e9, share, r.checkpoints_admitted,
+                 r.checkpoints_evicted))
 sg = runs["conversation", "sglang-extra-buffer", "native", split_gb]
 state_pool = split_gb * SGLANG_RATIO / (1 + SGLANG_RATIO)
 print(f"SGLang's pools: states {state_pool:.1f} GB ({sg.checkpoint_bytes_mean / 1e9:.1f} GB in use on average), "
       f"KV {split_gb - state_pool:.1f} GB ({sg.kv_bytes_mean / 1e9:.1f} GB in use)")
+show_table(rows, ["policy", "KV GB", "ckpt GB", "ckpt share", "admitted", "evicted"],
+           formats={"KV GB": ".1f", "ckpt GB": ".1f", "ckpt share": ".0%"},
+           title=f"Mean memory per device at {split_gb} GB, and checkpoints admitted and evicted")
 
 # %% [markdown]
 # Takeaway: the policies differ in *what* they keep. `every-block` holds 75% of its
 # memory in checkpoints and `align` 43%; `ends`, `ends+branch` and Marconi 12%, `dual`
 # 8%. SGLang's fixed split is the other way round: its state pool (18.9 GB) holds 4.8 GB
-# of states on average while its KV pool (21.1 GB) is full -- memory stranded in the
+# of states on average while its KV pool (21.1 GB) is full, memory stranded in the
 # wrong pool, as chapter 4 measured for running requests, now costing hits.
 #
-# ## Cheaper checkpoints: bf16 and int8
+# ### Deep dive: cheaper checkpoints, bf16 and int8
 #
 # A cached state is read once, on a hit, and decoding then goes on at full precision;
 # so a cache may keep its states at lower precision than the running request, and the
 # only error is one rounding per stored state. SGLang's `MambaCheckpointPool`
 # ([sglang-prefix](references.md#sglang-prefix)) stores each KDA state as int8 with one symmetric scale
-# per (head, key channel) -- the largest |S| over the value axis over `QMAX = 127`, in the
-# state's own dtype -- and the conv window at its native dtype
+# per (head, key channel) (the largest |S| over the value axis over `QMAX = 127`, in the
+# state's own dtype) and the conv window at its native dtype
 # (`prefix.precision.int8_quantize`). A bf16 store rounds each fp32 element to 16 bits.
 # The bytes of one checkpoint on one device:
 
 # %%
+rows = []
 for dep in (DEP, DP):
-    b = {p: precision.checkpoint_bytes(CFG, dep, p) for p in precision.PRECISIONS}
-    page = BLOCK * costs.kv_bytes_per_token(CFG, dep)
-    print(f"{dep.name:<14} " + "   ".join(f"{p} {b[p] / 2**20:6.2f} MiB = {b[p] / page:5.2f} pages"
-                                         for p in precision.PRECISIONS)
-          + f"   (int8 is {b['native'] / b['int8']:.2f}x smaller than fp32, {b['bf16'] / b['int8']:.2f}x than bf16)")
+    pg = BLOCK * costs.kv_bytes_per_token(CFG, dep)
+    rows += [(dep.name, p, precision.checkpoint_bytes(CFG, dep, p) / 2**20, precision.checkpoint_bytes(CFG, dep, p) / pg)
+             for p in precision.PRECISIONS]
+b = {p: precision.checkpoint_bytes(CFG, DEP, p) for p in precision.PRECISIONS}
+print(f"int8 is {b['native'] / b['int8']:.2f}x smaller than fp32 and {b['bf16'] / b['int8']:.2f}x smaller than bf16")
+show_table(rows, ["deployment", "precision", "MiB", "KV pages"], formats={"MiB": ".2f", "KV pages": ".2f"},
+           title="One checkpoint per device (KV pages of 512 tokens)")
 
 # %% [markdown]
 # What does a hit from a rounded state cost in quality? On the reduced model
 # (`prefix.fidelity`): a 96-token conversation in which request 1 prefills 24 tokens and
 # leaves a checkpoint; each later request resumes from the previous request's *rounded*
 # checkpoint and the KV it computed, prefills 24 more tokens and leaves its own rounded
-# checkpoint -- so after c hits a state has been rounded c times, each rounding feeding
+# checkpoint, so after c hits a state has been rounded c times, each rounding feeding
 # the next. The last request finishes the prompt and decodes 8 tokens (teacher-forced on
 # the exact greedy tokens). Against a cold prefill: the largest logit error, relative to
 # the spread of the logits, and how often the greedy token agrees; means over 5 random
@@ -686,14 +793,17 @@ FIDELITY_SEEDS = range(5)
 rows = [r for seed in FIDELITY_SEEDS
         for r in fidelity.hit_chain_errors(model, np.random.default_rng(seed).integers(0, 256, 96), [24, 48, 72],
                                            precision.PRECISIONS, decode=8)]
-print(f"{'checkpoints':<11} {'hits':>4}  {'max logit error / logit std':>36}  {'greedy tokens agree':>28}")
+table_rows = []
 for p in precision.PRECISIONS:
     for c in (1, 2, 3):
         sel = [r for r in rows if r["precision"] == p and r["hits"] == c]
         rel = np.array([r["max_rel"] for r in sel])
         agree = np.array([r["agree"] for r in sel])
-        print(f"{p:<11} {c:>4}  {rel.mean():12.2e} (range {rel.min():.2e}-{rel.max():.2e})  "
-              f"{agree.mean():10.3f} (range {agree.min():.3f}-{agree.max():.3f})")
+        table_rows.append((p, c, rel.mean(), f"{rel.min():.2e}-{rel.max():.2e}", agree.mean(),
+                           f"{agree.min():.3f}-{agree.max():.3f}"))
+show_table(table_rows, ["checkpoints", "hits", "logit error", "range", "greedy agree", "range "],
+           formats={"logit error": ".2e", "greedy agree": ".3f"},
+           title="Max logit error / logit std, and greedy-token agreement, over 5 prompts")
 
 # %% [markdown]
 # One int8 rounding moves the logits by 7.8e-03 of their spread, three in a row by
@@ -710,8 +820,7 @@ for p in precision.PRECISIONS:
 # int8 checkpoints.
 
 # %%
-print(f"{'trace':<12} {'GB':>5} {'policy':<12} {'fp32':>7} {'bf16':>7} {'int8':>7}   ms saved: {'fp32':>7} {'int8':>7} "
-      f"{'gain':>6}")
+rows = []
 for t in TRACES:
     for gb in SIZES:
         for name in ("ends", "ends+branch"):
@@ -719,10 +828,12 @@ for t in TRACES:
                 continue
             r, q = runs[t, name, "native", gb], runs[t, name, "int8", gb]
             b = runs.get((t, name, "bf16", gb))
-            bf = f"{b.usable_hit_rate:7.3f}" if b else f"{'':>7}"
-            print(f"{t:<12} {gb:>5g} {name:<12} {r.usable_hit_rate:7.3f} {bf} {q.usable_hit_rate:7.3f}   "
-                  f"{r.prefill_ms_saved_per_request:17.1f} {q.prefill_ms_saved_per_request:7.1f} "
-                  f"{q.prefill_ms_saved_per_request / r.prefill_ms_saved_per_request - 1:+6.1%}")
+            rows.append((t, gb, name, r.usable_hit_rate, f"{b.usable_hit_rate:.3f}" if b else "", q.usable_hit_rate,
+                         r.prefill_ms_saved_per_request, q.prefill_ms_saved_per_request,
+                         f"{q.prefill_ms_saved_per_request / r.prefill_ms_saved_per_request - 1:+.1%}"))
+show_table(rows, ["trace", "GB", "policy", "fp32", "bf16", "int8", "ms fp32", "ms int8", "gain"],
+           formats={"GB": "g", "fp32": ".3f", "int8": ".3f", "ms fp32": ".1f", "ms int8": ".1f"},
+           title="Usable hit by checkpoint precision, and prefill ms saved per request")
 
 # %% [markdown]
 # int8 checkpoints buy what their bytes buy: on chat `ends` saves 2.3% more prefill time
@@ -732,7 +843,7 @@ for t in TRACES:
 # the distance to the attention bound is states that were never admitted or were
 # evicted, not bytes per state. A cheaper state pays most for policies that keep many.
 #
-# ## The same policies under DP-attention, and vLLM on every deployment
+# ### Deep dive: DP-attention, and vLLM on every deployment
 #
 # Under DP-attention each device holds whole requests, so a checkpoint costs 10.5 pages
 # there instead of 2.6: four times more KV per state. Does the verdict between `ends`,
@@ -741,17 +852,20 @@ for t in TRACES:
 # shared-prefix boundary:
 
 # %%
+rows = []
 for gb in (10, 40):
-    tp = {n: runs["conversation", n, "native", gb].usable_hit_rate for n in ("kv-only", "ends", "ends+branch", "dual")}
-    dp = {n: runs["conversation", n, "dp", gb].usable_hit_rate for n in ("kv-only", "ends", "ends+branch", "dual")}
-    for label, got in (("TP4", tp), ("DP4", dp)):
-        print(f"conversation {gb:>3} GB {label}: " + "  ".join(f"{n} {v:.3f}" for n, v in got.items())
-              + f"   dual / ends {got['dual'] / got['ends']:.3f}, ends / kv-only {got['ends'] / got['kv-only']:.3f}")
-for gb in (10, 40):
-    v = {k: runs["conversation", "vllm-align", k, gb] for k in ("native", "tp8", "dp", "no-shared-prefix")}
-    print(f"vLLM align at {gb} GB on its own blocks: TP4 (480 tokens) {v['native'].usable_hit_rate:.3f}, "
-          f"TP8 (240) {v['tp8'].usable_hit_rate:.3f}, DP-attention (1,888) {v['dp'].usable_hit_rate:.3f}; "
-          f"TP4 without the shared-prefix boundary (PR #30877 alone) {v['no-shared-prefix'].usable_hit_rate:.3f}")
+    for label, prec in (("TP4", "native"), ("DP4", "dp")):
+        got = {n: runs["conversation", n, prec, gb].usable_hit_rate for n in ("kv-only", "ends", "ends+branch", "dual")}
+        rows.append((gb, label, *got.values(), got["dual"] / got["ends"], got["ends"] / got["kv-only"]))
+display(show_table(rows, ["GB", "attention", "kv-only", "ends", "ends+branch", "dual", "dual/ends", "ends/kv-only"],
+                   formats={c: ".3f" for c in ("kv-only", "ends", "ends+branch", "dual", "dual/ends", "ends/kv-only")},
+                   title="Conversation trace, usable hit rate: TP4 against DP-attention"))
+v = {(k, gb): runs["conversation", "vllm-align", k, gb].usable_hit_rate
+     for k in ("native", "tp8", "dp", "no-shared-prefix") for gb in (10, 40)}
+show_table([(gb, v["native", gb], v["tp8", gb], v["dp", gb], v["no-shared-prefix", gb]) for gb in (10, 40)],
+           ["GB", "TP4 (480)", "TP8 (240)", "DP (1,888)", "TP4, no boundary"],
+           formats={c: ".3f" for c in ("TP4 (480)", "TP8 (240)", "DP (1,888)", "TP4, no boundary")},
+           title="vLLM align on its own blocks (tokens); no boundary: PR #30877 alone")
 
 # %% [markdown]
 # vLLM's own block is what decides its verdict: at TP4 and TP8 its blocks are finer than
@@ -767,7 +881,7 @@ for gb in (10, 40):
 # times as much KV. A claim about how close a hybrid cache comes to an attention model
 # must therefore name its deployment.
 #
-# ## A second tier: host DRAM or SSD
+# ### Deep dive: a second tier, host DRAM or SSD
 #
 # Everything above keeps the cache in HBM. Mooncake, Kimi's own platform, keeps cached KV
 # in the cluster's CPU DRAM and SSDs as well and moves it over RDMA
@@ -778,17 +892,21 @@ for gb in (10, 40):
 # latency, against `costs.prefill_seconds_saved`; link rates in [pcie](references.md#pcie)):
 
 # %%
+rows = []
 for dep in (DEP, DP):
     for tier in offload.TIERS:
         for n in (4096, 32768):
-            hit = n // 2
-            load, recompute = offload.load_seconds(CFG, dep, tier, hit), costs.prefill_seconds_saved(CFG, dep, n, hit)
-            print(f"{dep.name:<14} {tier.name:<28} hit {hit:>6,d} of {n:>6,d}: load {1e3 * load:6.2f} ms, "
-                  f"recompute {1e3 * recompute:8.2f} ms ({recompute / load:5.0f}x); break-even at "
-                  f"{offload.break_even_tokens(CFG, dep, tier, n):,d} tokens")
+            hit_tokens = n // 2
+            load = offload.load_seconds(CFG, dep, tier, hit_tokens)
+            recompute = costs.prefill_seconds_saved(CFG, dep, n, hit_tokens)
+            rows.append((dep.name, tier.name, hit_tokens, n, 1e3 * load, 1e3 * recompute, recompute / load,
+                         offload.break_even_tokens(CFG, dep, tier, n)))
 state_ms = 1e3 * precision.checkpoint_bytes(CFG, DEP) / offload.HOST_DRAM.bandwidth
 print(f"one checkpoint from host DRAM at TP4: {state_ms:.3f} ms (int8: "
       f"{1e3 * precision.checkpoint_bytes(CFG, DEP, 'int8') / offload.HOST_DRAM.bandwidth:.3f} ms)")
+show_table(rows, ["deployment", "tier", "hit", "of", "load ms", "recompute ms", "x", "break-even"],
+           formats={"load ms": ".2f", "recompute ms": ".2f", "x": ".0f"},
+           title="Load a hit from a second tier, or recompute it (half of each prompt hits)")
 
 # %% [markdown]
 # Loading wins from the first block on: a 16,384-token hit loads from host DRAM in
@@ -796,50 +914,43 @@ print(f"one checkpoint from host DRAM at TP4: {state_ms:.3f} ms (int8: "
 # (34x); a checkpoint alone takes 0.172 ms from DRAM. So a second tier turns this
 # chapter's capacity question into a bandwidth one: the 160 GB column above is within
 # what host DRAM per device can hold, and a state is cheap to move. What this
-# arithmetic leaves out is contention -- the PCIe link also carries other requests'
-# traffic -- and the HBM copy itself; Mooncake's design exists to schedule exactly that.
+# arithmetic leaves out is contention (the PCIe link also carries other requests'
+# traffic) and the HBM copy itself; Mooncake's design exists to schedule exactly that.
 #
-# ## How fast the simulation runs
+# ### Deep dive: how fast the simulation runs
 #
 # Wall-clock CPU time of the replays above (varies with the machine; a Python
 # simulation's speed, not a serving speed; Marconi's includes its tuning replays):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-for t in TRACES:
-    print(f"{t}, {DEVICE_GB} GB: " + ", ".join(f"{n} {runs[t, n, 'native', DEVICE_GB].wall_seconds:.2f} s" for n in TABLE))
+ran = list(sweep.values()) + list(new.values())
+print(f"{len(ran)} replays: {sum(r.wall_seconds for r in ran):.1f} s of wall clock summed over both workers")
 print(f"conversation, 40 GB: every-block {runs['conversation', 'every-block', 'native', 40].wall_seconds:.2f} s, "
       f"align {runs['conversation', 'align', 'native', 40].wall_seconds:.2f} s")
-total = sum(r.wall_seconds for r in runs.values())
-print(f"{len(runs)} replays: {total:.1f} s of wall clock summed over both workers")
+show_table([(n, *(runs[t, n, "native", DEVICE_GB].wall_seconds for t in TRACES)) for n in TABLE],
+           ["policy", *(f"{t} s" for t in TRACES)], formats={f"{t} s": ".2f" for t in TRACES},
+           title=f"Seconds per replay at {DEVICE_GB} GB (this machine)")
 
 # %% [markdown]
 # ## Summary
 #
-# - A hybrid model resumes a cached prefix only where it has the KV **and** a state
-#   checkpoint: the *usable hit*. How much a checkpoint costs depends on the deployment:
-#   2.63 KV pages of 512 tokens per device under TP4, 10.52 under DP-attention.
-# - `HybridPrefixCache` keeps KV per block in chapter 5's radix tree and at most one
-#   checkpoint per node, in the same page pool as the requests; resuming is exact
-#   (< 1e-10 on the tiny model). `RunPrefixCache` and `SegmentCache` are its fast twins,
-#   held equal to slow ones by tests.
-# - On real chat and real agent traffic the simplest policies win: `ends+branch` (or
-#   `ends`) is the best online policy at every budget but one, where `dual` leads by
-#   0.003. Marconi as published ties it where its online tuning keeps alpha at 0 and
-#   loses where it does not; `dual`'s fixed weight collapses on agents (0.442 against
-#   0.663 at 10 GB); vLLM `align` and, most of all, SGLang's split pools are below.
-# - A clairvoyant cache shows how much room is left: on chat the best online policy
-#   reaches 0.22 of it at 10 GB and 0.77 at a whole device's budget; on agents 0.84 and
-#   1.00.
-# - int8 checkpoints (3.53x smaller than fp32) add up to 6.1% of prefill time saved on
-#   chat and under 1% on agents, for a logit error of about 0.8% of the logits' spread on
-#   the reduced model; bf16 sits between.
-# - Loading a hit from host DRAM is about a hundred times faster than recomputing it, so
-#   a second tier makes the memory sizes beyond one device real.
-# - Honest scope: requests are replayed one at a time with no queueing and whole
-#   512-token blocks (a request's end is its last whole block); prefill time is the cost
-#   model's (chapter 3); the agent sessions' start times are our Poisson choice; the
-#   quality numbers are an untrained reduced model's.
+# - **Built.** `HybridPrefixCache`: KV per 512-token block in chapter 5's radix tree, at
+#   most one state checkpoint per node, both in the requests' page pool. `hits` finds the
+#   *usable hit* (the deepest node with the KV and a computed checkpoint), `begin` matches,
+#   inserts and admits what the policy asks for, eviction weighs a KV leaf against a
+#   checkpoint alone. Resuming is exact (< 1e-10 on the tiny model).
+# - **Found.** A checkpoint costs 2.63 KV pages of 512 tokens per TP4 device (10.52 under
+#   DP-attention). On an hour of Kimi chat, sparser checkpoints win at every size from 10
+#   to 160 GB: every 512 tokens leaves 0.061 at 40 GB, request ends 0.182, which is 0.84
+#   of the 0.217 an attention model gets. The deep dives find `ends+branch` the best
+#   online policy almost everywhere, the shipped designs at or below it, and the
+#   clairvoyant cache far above all of them only on chat with little memory.
+# - **Scope.** Requests replayed one at a time, whole 512-token blocks, prefill time from
+#   the cost model (chapter 3), an untrained reduced model for exactness and quality.
+#
+# **Next chapter:** speculative decoding drafts tokens that may be rejected; how do you
+# take a rejected draft back out of a KDA state that has already absorbed it?
 
 # %% [markdown]
 # ## Exercises
@@ -848,8 +959,10 @@ print(f"{len(runs)} replays: {total:.1f} s of wall clock summed over both worker
 # answer (the student edition, `make student`, leaves it empty for you), and
 # `verify("N.M", answer)`, which says "correct" or what is off. Open exercises follow.
 #
-# **6.1 How many pages?** On one device of the TP4 recipe, with 256-token blocks instead
-# of 512: how many pool pages does one checkpoint take? Round up as the pool does.
+# **6.1 How many pages? (predict, then run)** On one device of the TP4 recipe, with
+# 256-token blocks instead of 512: how many pool pages does one checkpoint take, rounded
+# up as the pool does? First write down your prediction from the cost table (is it just
+# twice the 512-token answer?), then compute it.
 
 # %% tags=["solution"]
 answer = -(-costs.checkpoint_bytes(CFG, DEP) // (256 * costs.kv_bytes_per_token(CFG, DEP)))
@@ -868,9 +981,11 @@ answer = int(10e9 // costs.checkpoint_bytes(CFG, DEP))
 verify("6.2", answer)
 
 # %% [markdown]
-# **6.3 A budget the table skips.** What usable hit rate does `ends` reach on the whole
-# conversation trace at 25 GB per device of the TP4 recipe, with fp32 checkpoints? The
-# table stops at 10 and 40 GB; replay it yourself.
+# **6.3 A budget the sweep skips (predict, then run).** The headline table gives the
+# usable hit rate of request-end checkpoints (`ends`) at 10 and 40 GB per device. Before
+# replaying, write down what you expect at 25 GB: on the straight line between the two,
+# above it or below it, and why. Then replay the whole conversation trace with `ends` at
+# 25 GB per device of the TP4 recipe, fp32 checkpoints, and compare.
 
 # %% tags=["solution"]
 answer = replay_many({25: Replay(REAL, "ends", 25, DEP)})[25].usable_hit_rate
@@ -879,35 +994,6 @@ answer = replay_many({25: Replay(REAL, "ends", 25, DEP)})[25].usable_hit_rate
 verify("6.3", answer)
 
 # %% [markdown]
-# **6.4 (open) Alpha at other budgets.** `dual`'s weight is fixed; Marconi tunes its own.
-# With `Replay(REAL, "marconi", gb, DEP, options=(("alpha", a),))` sweep a fixed `a` over
-# 0, 0.5, 1 and 2 at 10 and 40 GB. Was the online choice printed above the best fixed
-# one in hindsight? Why might a window at the start of the hour mislead it?
-#
-# **6.5 (open) Branch points only.** Write a policy (subclass `prefix.Policy`) that
-# admits only branch points, no request ends. Replay the conversation trace at 40 GB:
-# how much does it lose against `ends`, and why?
-#
-# **6.6 (open) The arrival rate.** Replay the agent trace with `ends` at 10 GB for
-# `sessions_per_s` 0.01, 0.05 and 0.2. How does the usable hit move as more sessions
-# overlap, and what does that say about the rate we chose?
-#
-# **6.7 (open) Generated vs real.** Replay `../data/conversation_like.jsonl` (chapter 5's
-# generated look-alike of the Mooncake trace) at 10 and 40 GB with `ends` and `dual`.
-# How much bigger is `dual`'s lead there than on the real trace? Which property of the
-# generated trace (chapter 5's reuse ceiling) flatters it?
-#
-# **6.8 (open) The checkpoint interval.** `align` stores a state every `interval` tokens
-# of prefill. On the conversation trace at 40 GB, sweep
-# `Replay(REAL, "align", 40, DEP, options=(("interval", i),))` for `i` in 512, 2,048,
-# 8,192 and 32,768. What happens as the interval grows, and which policy does `align`
-# turn into at the long end?
-#
-# **6.9 (open) What the oracle knows.** The clairvoyant cache admits a state only where a
-# later request will resume. Give `ends` that one piece of foresight and nothing else
-# (write the policy with `prefix.oracle.FutureIndex`), keep LRU eviction, and replay at
-# 10 GB. How much of the gap to the oracle does admission alone close?
-#
 # **6.10 An int8 checkpoint.** How many bytes does one int8 checkpoint take on one device
 # of the TP4 recipe (SGLang's layout: int8 states, one fp32 scale per head and key
 # channel, bf16 conv windows)?
@@ -917,3 +1003,19 @@ answer = precision.checkpoint_bytes(CFG, DEP, "int8")
 
 # %%
 verify("6.10", answer)
+
+# %% [markdown]
+# **6.8 (open, ~45 min) The interval under DP-attention.** There a checkpoint costs four
+# times as much KV as at TP4. Predict first: does the best interval move, and does the
+# distance between "every 512 tokens" and "request ends" grow or shrink? Then repeat the
+# headline sweep at 10 and 40 GB per device of `DP` and explain what you see with the
+# share of the memory the states hold.
+#
+# **6.9 (project, ~4 h) What the oracle knows.** The clairvoyant cache admits a state
+# only where a later request will resume. Give `ends` that foresight and nothing else: a
+# policy (subclass `prefix.Policy`, with `positions` and the `begin(index, keys)` hook
+# that `prefix.SegmentCache` calls before each request) that asks a
+# `prefix.oracle.FutureIndex` who comes back, run in a `prefix.SegmentCache` with
+# `prefix.LRUScorer` eviction through `sim.simulate` on the conversation trace at 10 GB.
+# How much of the gap between `ends` and the clairvoyant cache does admission alone
+# close, and what is left for eviction?

@@ -239,6 +239,30 @@ class HybridPrefixCache:
         return nodes[: len(allocs)]
 
     # ----- serving ----------------------------------------------------------
+    def hits(self, matched: list, matched_tokens: int, n: int) -> tuple:
+        """``(kv_hit, usable_hit, usable_node)`` of a prompt of ``n`` tokens whose cached blocks are
+        ``matched`` (root-side first, ``matched_tokens`` tokens in all).
+
+        The KV hit stops at the first block whose KV is not computed yet; the usable hit is the end
+        of the deepest matched node with a computed checkpoint (``usable_node``; 0 and None when there
+        is none). Both stop at ``n - 1``: the last prompt token is always computed, since its logits
+        start the decode. A policy with free states (pure attention) uses every KV hit.
+        """
+        limit = n - 1
+        kv = matched_tokens
+        for node in matched:
+            if not node.computed:  # inserted by a request whose prefill has not reached it yet
+                kv = node.end - node.n_tokens
+                break
+        kv_hit = min(kv, limit)
+        if self.policy.free_states:
+            return kv_hit, kv_hit, None
+        for node in reversed(matched):  # deepest first
+            ck = node.payload
+            if ck is not None and ck.computed and node.end <= limit:
+                return kv_hit, node.end, node
+        return kv_hit, 0, None
+
     def begin(self, keys=None, n_tokens=None, *, tokens=None):
         """Look a prompt up, cache its blocks, admit checkpoints; the path stays pinned.
 
@@ -254,23 +278,7 @@ class HybridPrefixCache:
         self.pages_admitted += (len(path) - len(m.nodes)) * self.tree.allocs_per_node
         for node in path[len(m.nodes):]:
             node.computed = False  # its KV exists once this request's prefill passes it
-        limit = n - 1  # leave one token to compute: its logits start the decode
-        kv = m.hit_tokens
-        for node in m.nodes:
-            if not node.computed:  # inserted by a request whose prefill has not reached it yet
-                kv = node.end - node.n_tokens
-                break
-        kv_hit = min(kv, limit)
-        usable_node = None
-        if policy.free_states:
-            usable = kv_hit
-        else:
-            usable = 0
-            for node in reversed(m.nodes):
-                ck = node.payload
-                if ck is not None and ck.computed and node.end <= limit:
-                    usable, usable_node = node.end, node
-                    break
+        kv_hit, usable, usable_node = self.hits(m.nodes, m.hit_tokens, n)
         added = []
         if not policy.free_states:
             j = len(m.nodes) - 1
@@ -284,7 +292,8 @@ class HybridPrefixCache:
                 ck = usable_node.payload
                 ck.last_access = usable_node.last_access
                 ck.serial = -1  # re-queue at the new rank in finish()
-        outcome = Outcome(n, kv_hit, usable, len(added), tuple(node.end for node in added), len(m.nodes))
+        added_at = tuple(node.end for node in added)
+        outcome = Outcome(n, kv_hit, usable, len(added), added_at, len(m.nodes))
         return outcome, path, usable_node, added
 
     def make_room(self, n_pages: int) -> bool:
