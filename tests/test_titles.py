@@ -50,4 +50,7 @@ def test_teaching_states_the_measured_reading_times():
             re.findall(r"^\| (\d+)\. [^|]+\| (\d+) \| (\d+) \|", text, re.M)}
     measured = {int(r.name[:2]): (round(r.core_minutes), round(r.deep_minutes))
                 for r in readability.read_chapters(ROOT / "chapters")}
-    assert rows == measured, f"TEACHING's reading times {rows}; measured {measured}"
+    assert set(rows) == set(measured), f"TEACHING lists chapters {sorted(rows)}; the book has {sorted(measured)}"
+    off = {n: (rows[n], measured[n]) for n in rows  # a minute of slack: rounding, a sentence added
+           if max(abs(a - b) for a, b in zip(rows[n], measured[n])) > 1}
+    assert not off, f"TEACHING's reading times (core, deep) differ from the measured ones: {off}"
