@@ -24,6 +24,7 @@ _RATES = {"words": 200, "code": 10, "output": 15, "listing": 20}
 _FIGURE_MIN = 1.5
 _HEADING = re.compile(r"^(#+)\s+(.*)")
 _DEEP = re.compile(r"deep dive", re.I)
+_UNLIMITED = re.compile(r"show_source\([^)]*limit\s*=\s*None")
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Reading:
     widest_line: str = ""
     key_results: bool = False  # a cell near the top prints a Key results box
     deep_dives: list[str] = field(default_factory=list)  # their headings
+    long_core_listings: int = 0  # core cells that lift show_source's line limit (limit=None)
 
     @property
     def core_minutes(self) -> float:
@@ -91,6 +93,8 @@ def read_notebook(nb: dict, name: str = "") -> Reading:
         if i < 6 and "key_results(" in src and any("Key results" in _text_of(o) for o in cell.get("outputs", [])):
             r.key_results = True
         counts.code += sum(1 for line in src.splitlines() if line.strip())
+        if deep_level is None and _UNLIMITED.search(src):
+            r.long_core_listings += 1
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             if "image/png" in data or "image/svg+xml" in data:

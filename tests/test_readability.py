@@ -33,6 +33,7 @@ def test_core_path_reads_in_one_sitting(path):
 def test_no_printed_line_is_wider_than_the_page(path):
     r = readability.read_notebook(_nb(path), path.stem)
     assert r.widest <= readability.WIDTH, f"{path.name}: a printed line of {r.widest} characters: {r.widest_line!r}"
+    assert not r.long_core_listings, f"{path.name}: a core listing over 40 lines (show_source(..., limit=None))"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem[:2] for p in NOTEBOOKS])
@@ -69,6 +70,8 @@ def test_the_reading_check_can_fail_and_deep_dives_do_not_count():
     r = readability.read_notebook(nb)
     assert r.core_minutes < 1 and r.deep_minutes > 40 and r.deep_dives == ["Deep dive: the sweep"]
     assert r.widest == 120  # widths count in deep dives too
+    nb["cells"].insert(1, _code("show_source(f, limit=None)", "def f():\n    pass\n"))
+    assert readability.read_notebook(nb).long_core_listings == 1
 
 
 def test_tables_fit_the_page_and_render_as_markdown():
