@@ -99,7 +99,7 @@ class Table:
         text = self._text()
         widest = max(len(line) for line in text.splitlines())
         if widest > WIDTH:
-            widths = [max(len(x) for x in [c] + [r[j] for r in self.cells]) for j, c in enumerate(columns)]
+            widths = self._widths()
             big = columns[widths.index(max(widths))]
             raise ValueError(f"Table is {widest} characters wide, over {WIDTH}; its widest column is {big!r}: "
                              "shorten names, drop columns, or plot it")
