@@ -18,7 +18,7 @@ from kimilab.ops.attention import KVCache, attention_flops
 M = 1 << 20  # 1M tokens
 K128 = 128 * 1024
 ONE, TP4, TP8, DP4 = m.ONE_H200, m.VLLM_TP4_H200, m.VLLM_TP8_H200, m.DP4_EP4_H200
-ALL = (ONE, TP4, TP8, DP4, m.REPORT_TP8_H800)
+ALL = (ONE, TP4, TP8, DP4, m.REPORT_TP4_H800)
 
 
 # ----- the one object: named deployments ---------------------------------------------
@@ -37,6 +37,10 @@ def test_the_default_is_vllms_published_recipe_and_dp_attention_is_named():
         m.Deployment("x", m.H200, 0)
     with pytest.raises(ValueError, match="Kernels.gemm"):
         m.Kernels(gemm=0.0, attention=0.5, kda=0.5, bandwidth=0.5, replay=0.5, layer_overhead_s=0.0)
+    with pytest.raises(ValueError, match="Kernels.layer_overhead_s"):
+        m.Kernels(gemm=0.5, attention=0.5, kda=0.5, bandwidth=0.5, replay=0.5, layer_overhead_s=2.0)
+    with pytest.raises(ValueError, match="Kernels.gemm_half_ridge"):
+        m.Kernels(gemm=0.5, attention=0.5, kda=0.5, bandwidth=0.5, replay=0.5, layer_overhead_s=0.0, gemm_half_ridge=-1)
 
 
 def test_every_public_byte_or_time_function_takes_the_deployment_without_a_default():
@@ -394,19 +398,60 @@ def test_other_bad_arguments():
 
 # ----- calibration against published measurements ---------------------------------------------
 
-def test_the_calibrated_kernels_are_the_fit_to_the_reports_figure_7():
+def test_the_gemm_curve_is_the_fit_to_vidurs_measured_gemms_and_carries_to_the_a100():
+    import dataclasses
+
+    from kimilab.costs import operators
+
+    h100 = operators.fit_gemm("H100")
+    assert h100.peak_fraction == pytest.approx(m.CALIBRATED.gemm, rel=0.01)
+    assert h100.half_ridge == pytest.approx(m.CALIBRATED.gemm_half_ridge, rel=0.01)
+    assert h100.rms_log_error < 0.2
+    # held out: the H100 curve on the A100's rows (ridge-scaled) is nearly as good as the A100's own fit
+    a100 = operators.gemm_rows("A100")
+    carried = np.sqrt(np.mean(operators.gemm_log_errors(dataclasses.replace(h100, gpu="A100"), a100) ** 2))
+    assert carried < 1.1 * operators.fit_gemm("A100").rms_log_error
+    # a GEMM over few tokens is bandwidth bound: 1 token on an H100 reaches well under 1% of peak
+    assert m.CALIBRATED.gemm_efficiency(1, m.H800) < 0.01 < 0.5 < m.CALIBRATED.gemm_efficiency(4096, m.H800)
+    lo, hi = operators.gemm_spread(h100, operators.gemm_rows("H100"))
+    axis = dict(m.AXES)["GEMM"]
+    assert axis[1][1]["gemm"] == pytest.approx(m.CALIBRATED.gemm * lo, rel=0.01)
+    assert axis[2][1]["gemm"] == pytest.approx(min(1.0, m.CALIBRATED.gemm * hi), rel=0.01)
+
+
+def test_the_kda_and_overhead_numbers_come_from_the_operator_measurements():
+    from kimilab.costs import operators
+
+    kda = operators.KDA_ON_H100
+    assert kda["central"] == pytest.approx(m.CALIBRATED.kda, rel=0.01)
+    axis = dict(m.AXES)["KDA"]
+    assert axis[1][1]["kda"] == pytest.approx(kda["low"], rel=0.02) and axis[2][1]["kda"] == pytest.approx(kda["high"], rel=0.02)
+    assert 0.15 < operators.kda_h20_efficiency("fla_chunk_kda") < operators.kda_h20_efficiency("flash_kda") < 0.5
+    assert operators.graph_layer_overhead_s() == pytest.approx(m.CALIBRATED.layer_overhead_s, rel=0.01)
+    with pytest.raises(ValueError, match="kernel="):
+        operators.kda_h20_efficiency("nope")
+
+
+def test_the_report_fit_picks_four_h800s_and_the_held_out_rows_land_on_both_sides():
     from kimilab.costs import calibration
 
-    fitted, rms = calibration.fit_kernels()
-    for name in ("gemm", "attention", "kda", "bandwidth", "layer_overhead_s"):
-        assert getattr(fitted, name) == pytest.approx(getattr(m.CALIBRATED, name), rel=0.05), name
-    assert rms < 0.2  # root-mean-square log error over the 36 fitted rows
-    assert rms == pytest.approx(m.FIT_LOG_ERROR, abs=0.005)  # the band chapter 12 moves each fitted number by
+    best = calibration.fit_report("4 x H800, TP4", "eager")
+    assert best.kernels.attention == pytest.approx(m.CALIBRATED.attention, abs=0.01)
+    assert best.kernels.bandwidth == pytest.approx(m.CALIBRATED.bandwidth, rel=0.02)
+    assert best.kernels.layer_overhead_s == pytest.approx(m.REPORT_KERNELS.layer_overhead_s, rel=0.03)
+    assert best.rms < 0.2 and len(best.fit_errors) == 36
+    held = [e for _, e in best.held_out]
+    assert len(held) == 5 and min(held) < 0 < max(held) and sum(abs(e) <= 0.25 for e in held) >= 4
+    eight = calibration.fit_report("8 x H800, TP8", "eager")
+    axis = dict(m.AXES)["report hardware"][1][1]
+    assert eight.kernels.attention == pytest.approx(axis["attention"], abs=0.01)
+    assert eight.kernels.bandwidth == pytest.approx(axis["bandwidth"], rel=0.02)
+    assert eight.rms < 1.2 * best.rms < calibration.fit_report("2 x H800, TP2", "eager").rms
+    assert calibration.fit_report("4 x H800, TP4", "graph").rms > best.rms  # the report ran eager
+    with pytest.raises(ValueError, match="hardware="):
+        calibration.fit_report("1 x TPU")
     rows = calibration.table()
-    fit = [r for r in rows if r["fitted"]]
-    assert len(fit) == 36 and all(abs(r["error"]) < 0.5 for r in fit)
-    assert {r["model"] for r in rows if not r["fitted"]} == {"kimi_linear_48b", "all_mla_27", "qwen3_next_80b"}
-    one_m = {r["model"]: r for r in fit if r["what"] == "TPOT s" and r["tokens"] == M}
+    one_m = {r["model"]: r for r in rows if r["fitted"] and r["what"] == "TPOT s" and r["tokens"] == M}
     assert one_m["kimi_linear_48b"]["measured"] == pytest.approx(7.99e-3, abs=1e-4)  # Figure 7(b), digitised
     assert one_m["all_mla_27"]["measured"] / one_m["kimi_linear_48b"]["measured"] == pytest.approx(2.2, abs=0.05)
 
@@ -446,7 +491,7 @@ def test_the_decode_crossover_values_by_deployment():
         assert {m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, dep, b) for b in (1, 16, 256)} == {want}
         assert abs(want - 2 * m.crossover_tokens(kimi_linear_48b, all_mla_27, dep)) <= 2
     dp = [m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, DP4, b) for b in (1, 16, 64, 256, 512)]
-    assert dp == sorted(dp, reverse=True) and dp[0] > 100_000 and dp[-1] == 3768
+    assert dp == sorted(dp, reverse=True) and dp[0] > 100_000 and abs(dp[-1] - 3768) < 0.06 * 3768
     assert m.decode_crossover_tokens(kimi_linear_48b, kimi_linear_48b, TP4, 8) == 0
     assert m.decode_crossover_tokens(all_mla_27, kimi_linear_48b, TP4, 64) is None
     assert m.decode_crossover_tokens(kimi_linear_48b, all_mla_27, DP4, 1, max_tokens=10_000) is None

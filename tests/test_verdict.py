@@ -34,24 +34,33 @@ def test_the_band_over_seeds():
 
 def test_every_input_is_marked():
     rows = costs.inputs(costs.DEFAULT_DEPLOYMENT)
-    assert {r["status"] for r in rows} <= set(("sourced", "fitted", "assumed"))
+    assert {r["status"] for r in rows} <= set(costs.inputs.__globals__["STATUSES"])
     status = {r["name"]: r["status"] for r in rows}
-    assert status["GEMM efficiency"] == "fitted" and status["replay efficiency"] == "assumed"
+    assert status["GEMM efficiency (asymptote)"] == "measured" and status["replay efficiency"] == "assumed"
+    assert status["attention efficiency"] == "fitted" and status["KDA efficiency"] == "measured"
     assert status["link latency"] == "fitted" and all(r["source"] for r in rows)
 
 
-def test_calibration_variants_move_one_fitted_number_each_way():
+def test_the_ensemble_is_every_combination_with_the_calibrated_kernels_first():
+    ms = costs.members()
+    n = 1
+    for _, options in costs.AXES:
+        n *= len(options)
+    assert len(ms) == n == len({m.choices for m in ms})
+    assert ms[0].kernels == costs.CALIBRATED and ms[0].differs() == "central"
+    assert all(m.kernels.replay == costs.CALIBRATED.replay for m in ms)
+    kda = {m.kernels.kda for m in ms}
+    assert min(kda) < costs.CALIBRATED.kda < max(kda)
+
+
+def test_a_band_labels_its_verdict_and_knows_a_byte_count():
+    from kimilab.config import all_mla_27, kimi_linear_48b
+
     dep = costs.DEFAULT_DEPLOYMENT
-    variants = costs.calibration_variants(dep, 0.155)
-    assert len(variants) == 10 and len({v.name for v in variants}) == 10
-    for v in variants:
-        moved = [f for f in ("gemm", "attention", "kda", "bandwidth", "layer_overhead_s")
-                 if getattr(v.kernels, f) != getattr(dep.kernels, f)]
-        assert len(moved) == 1
-        ratio = getattr(v.kernels, moved[0]) / getattr(dep.kernels, moved[0])
-        assert ratio == pytest.approx(math.exp(0.155)) or ratio == pytest.approx(math.exp(-0.155)) \
-            or getattr(v.kernels, moved[0]) == 1.0
-        assert v.kernels.replay == dep.kernels.replay and v.device == dep.device
-    assert costs.calibration_variants(dep, 0.0)[0].kernels == dep.kernels
-    with pytest.raises(ValueError, match="log_error"):
-        costs.calibration_variants(dep, -1)
+    ratio = lambda d: costs.prefill_seconds(all_mla_27, d, 128_000) / costs.prefill_seconds(kimi_linear_48b, d, 128_000)  # noqa: E731
+    b = costs.band(ratio, dep, lambda x: x > 1)
+    assert b.lo <= b.central <= b.hi and b.lo < b.hi and b.label == "holds across the band"
+    flip = costs.band(ratio, dep, lambda x: x > b.central)  # the central itself fails: members above flip it
+    assert flip.label.startswith("flips under")
+    nbytes = costs.band(lambda d: costs.kv_bytes_per_token(kimi_linear_48b, d), dep, lambda x: x > 0)
+    assert nbytes.lo == nbytes.hi and nbytes.label.startswith("byte-driven")

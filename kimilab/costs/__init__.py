@@ -27,7 +27,7 @@ from kimilab.costs.cache_bytes import (
     request_bytes, request_total_bytes,
 )
 from kimilab.costs.deployment import (
-    CALIBRATED, DEFAULT_DEPLOYMENT, DEPLOYMENTS, DP4_EP4_H200, LOCAL, ONE_H200, REPORT_TP8_H800, VLLM_TP4_H200,
+    CALIBRATED, REPORT_KERNELS, DEFAULT_DEPLOYMENT, DEPLOYMENTS, DP4_EP4_H200, LOCAL, ONE_H200, REPORT_TP4_H800, VLLM_TP4_H200,
     VLLM_TP8_H200, Deployment, Kernels, deployment,
 )
 from kimilab.costs.flops import (
@@ -38,14 +38,15 @@ from kimilab.costs.hardware import (
     CPU, H20, H200, H800, INFINIBAND_NDR, LOOPBACK, NVLINK_H100, Accelerator, Link, WeightModel, estimate_params,
     mixer_params, weight_model,
 )
-from kimilab.costs.inputs import FIT_LOG_ERROR, calibration_variants, inputs
+from kimilab.costs.ensemble import AXES, Band, Member, band, member_deployments, members
+from kimilab.costs.inputs import inputs
 from kimilab.costs.memory import cache_budget_bytes, capacity_tokens, max_batch
 from kimilab.costs.parallel import (
     check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
     requests_on_busiest_device, state_heads_per_device,
 )
 from kimilab.costs.roofline import DecodePoint, decode_crossover_tokens, decode_point, summary
-from kimilab.costs.steptime import (
+from kimilab.costs.steptime import (linear_seconds, 
     StepTimer, StepWork, checkpoint_write_seconds, decode_step_seconds, prefill_chunks, prefill_seconds,
     prefill_seconds_saved, step_seconds, step_work,
 )
@@ -53,8 +54,8 @@ from kimilab.costs.vllm_pages import VllmHybridPages, vllm_hybrid_pages, vllm_pa
 
 __all__ = [
     # deployment and hardware
-    "Deployment", "Kernels", "CALIBRATED", "DEFAULT_DEPLOYMENT", "DEPLOYMENTS", "VLLM_TP4_H200", "VLLM_TP8_H200",
-    "DP4_EP4_H200", "ONE_H200", "REPORT_TP8_H800", "LOCAL", "deployment",
+    "Deployment", "Kernels", "CALIBRATED", "REPORT_KERNELS", "DEFAULT_DEPLOYMENT", "DEPLOYMENTS", "VLLM_TP4_H200", "VLLM_TP8_H200",
+    "DP4_EP4_H200", "ONE_H200", "REPORT_TP4_H800", "LOCAL", "deployment",
     "Accelerator", "Link", "WeightModel", "H800", "H200", "H20", "CPU", "NVLINK_H100", "INFINIBAND_NDR", "LOOPBACK",
     "estimate_params", "mixer_params", "weight_model",
     # per device
@@ -65,7 +66,7 @@ __all__ = [
     "conv_state_bytes_per_layer", "conv_state_bytes", "checkpoint_bytes", "request_bytes",
     "request_total_bytes", "crossover_tokens", "cache_anatomy", "CacheShapes",
     # memory, and what every number rests on
-    "cache_budget_bytes", "capacity_tokens", "max_batch", "inputs", "calibration_variants", "FIT_LOG_ERROR",
+    "linear_seconds", "cache_budget_bytes", "capacity_tokens", "max_batch", "inputs", "Band", "Member", "band", "members", "member_deployments", "AXES",
     # FLOPs
     "linear_flops_per_token", "prefill_flops", "attention_prefill_flops", "kda_prefill_flops", "mixer_prefill_flops",
     "decode_flops_per_token", "attention_decode_flops", "kda_decode_flops", "mixer_decode_flops", "CacheCosts",

@@ -33,15 +33,19 @@ from dataclasses import dataclass
 from kimilab.costs.hardware import CPU, H200, H800, LOOPBACK, NVLINK_H100, INFINIBAND_NDR, Accelerator, Link
 from kimilab.validate import check_choice, check_int
 
-__all__ = ["Kernels", "CALIBRATED", "Deployment", "VLLM_TP4_H200", "VLLM_TP8_H200", "DP4_EP4_H200", "ONE_H200",
-           "REPORT_TP8_H800", "LOCAL", "DEFAULT_DEPLOYMENT", "DEPLOYMENTS", "deployment"]
+__all__ = ["Kernels", "CALIBRATED", "REPORT_KERNELS", "Deployment", "VLLM_TP4_H200", "VLLM_TP8_H200", "DP4_EP4_H200", "ONE_H200",
+           "REPORT_TP4_H800", "LOCAL", "DEFAULT_DEPLOYMENT", "DEPLOYMENTS", "deployment"]
 
 
 @dataclass(frozen=True)
 class Kernels:
     """How close real kernels come to the device's peaks, and what a step costs regardless.
 
-    ``gemm``: fraction of peak FLOP/s of the weight matmuls (projections, experts, head).
+    ``gemm``: fraction of peak FLOP/s of the weight matmuls (projections, experts, head); with
+    ``gemm_half_ridge`` > 0 it is the asymptote of a curve in the tokens ``m`` a GEMM sees,
+    ``gemm x m / (m + h)`` with ``h = gemm_half_ridge x`` the device's ridge point (peak FLOP/s
+    over HBM bytes/s): few tokens leave the tensor cores idle, and a device with more FLOPs per
+    byte needs more tokens to fill them (:mod:`kimilab.costs.operators` fits it to measured GEMMs).
     ``attention``: fraction of peak FLOP/s of softmax attention over the sequence.
     ``kda``: fraction of peak FLOP/s of the KDA (chunked or recurrent) and conv kernels.
     ``bandwidth``: fraction of HBM bandwidth when reading weights and caches.
@@ -57,21 +61,42 @@ class Kernels:
     replay: float
     layer_overhead_s: float
     source: str = ""
+    gemm_half_ridge: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gemm", "attention", "kda", "bandwidth", "replay"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"Kernels.{name}={value!r}: expected a fraction of the peak in (0, 1]")
+        if not 0.0 <= self.gemm_half_ridge < 100.0:
+            raise ValueError(f"Kernels.gemm_half_ridge={self.gemm_half_ridge!r}: expected a multiple of the "
+                             "ridge point in [0, 100)")
         if not 0.0 <= self.layer_overhead_s < 1.0:
             raise ValueError(f"Kernels.layer_overhead_s={self.layer_overhead_s!r}: expected seconds in [0, 1)")
 
+    def gemm_efficiency(self, tokens: float, device: Accelerator) -> float:
+        """Fraction of ``device``'s peak a GEMM over ``tokens`` tokens reaches (``gemm`` when there is no curve)."""
+        if not self.gemm_half_ridge:
+            return self.gemm
+        half = self.gemm_half_ridge * device.peak_flops / device.hbm_bandwidth
+        return self.gemm * tokens / (tokens + half)
 
-# Fitted by kimilab.costs.calibration.fit_kernels to the Kimi Linear report's Figure 7 (prefill
-# latency and batch-1 TPOT of Kimi Linear and all-MLA, 4K-1M tokens), under REPORT_TP8_H800
-# (a test refits and checks these); ``replay`` stays our assumption: nothing published measures it.
-CALIBRATED = Kernels(gemm=0.081, attention=0.86, kda=0.031, bandwidth=0.77, replay=0.05, layer_overhead_s=1.3e-04,
-                     source="fit to the Kimi Linear report, Figure 7 (chapter 3's calibration table)")
+
+# The kernels every serving number uses, built operator by operator (chapter 3 shows each step;
+# tests refit every value):
+# - gemm, gemm_half_ridge: Vidur's measured H100 GEMMs (kimilab.costs.operators.fit_gemm);
+# - kda: FlashKDA's H20 benchmark carried to an H100 (operators.KDA_ON_H100["central"]);
+# - attention, bandwidth: fitted to the Kimi Linear report's Figure 7 on REPORT_TP4_H800, attention
+#   within the published FlashAttention-2..3 range (it lands on FlashAttention-3's 75%);
+# - layer_overhead_s: CUDA-graph execution, 12 small kernels per layer at Vidur's 4 us floor (what
+#   vLLM and SGLang ship for decode). REPORT_KERNELS keeps the eager overhead the report's rows fit.
+# ``replay`` stays our assumption: nothing published measures it.
+CALIBRATED = Kernels(gemm=0.739, attention=0.75, kda=0.110, bandwidth=0.726, replay=0.05, layer_overhead_s=4.8e-05,
+                     gemm_half_ridge=0.789,
+                     source="per-operator calibration (Vidur GEMMs, FlashKDA, FlashAttention-3), remainder fitted "
+                            "to the Kimi Linear report; CUDA-graph overhead (chapter 3)")
+REPORT_KERNELS = dataclasses.replace(CALIBRATED, layer_overhead_s=1.17e-04,
+                                     source="CALIBRATED with the eager per-layer overhead the report's rows fit")
 
 _MODES = ("tp", "dp")
 _EXPERTS = ("tp", "ep")
@@ -84,7 +109,17 @@ class Deployment:
     ``memory_utilization`` is the share of each device's HBM the engine may use (vLLM's
     ``--gpu-memory-utilization``); ``activation_reserve_bytes`` is kept free of cache for a
     step's activations; ``max_batched_tokens`` is the token budget of one step (vLLM's
-    ``--max-num-batched-tokens``), which also cuts a long prefill into chunks.
+    ``--max-num-batched-tokens``), which also cuts a long prefill into chunks;
+    ``max_num_seqs`` is the most requests running at once (vLLM's ``--max-num-seqs``). The
+    engine takes both from here unless told otherwise, so a tuned deployment is one object.
+    Under DP-attention both hold per device, as each vLLM DP rank schedules on its own.
+
+    Their defaults: vLLM's ``EngineArgs._set_default_args`` (vllm/engine/arg_utils.py @99d7eb5, V1) gives
+    ``vllm serve`` 8,192 tokens and 1,024 sequences on GPUs of 70 GiB or more other than A100
+    (H100, H200), and 2,048 and 256 elsewhere (``SchedulerConfig`` alone falls back to 128).
+    ``max_batched_tokens`` follows the H100/H200 value. ``max_num_seqs`` keeps 256, the smaller
+    GPUs' value and this engine's batch cap before the field existed, so no earlier number moves;
+    a tuned comparison searches both (:func:`kimilab.experiment.tuning.tune`).
     """
 
     name: str
@@ -99,6 +134,7 @@ class Deployment:
     memory_utilization: float = 0.9
     activation_reserve_bytes: float = 4e9
     max_batched_tokens: int = 8192
+    max_num_seqs: int = 256
     act_bytes: int = 2
     source: str = ""
 
@@ -106,6 +142,7 @@ class Deployment:
         check_int("Deployment.n_devices", self.n_devices, 1)
         check_int("Deployment.devices_per_node", self.devices_per_node, 1)
         check_int("Deployment.max_batched_tokens", self.max_batched_tokens, 1, unit="tokens per step")
+        check_int("Deployment.max_num_seqs", self.max_num_seqs, 1, unit="requests per step")
         check_choice("Deployment.attention", self.attention, _MODES)
         check_choice("Deployment.experts", self.experts, _EXPERTS)
         if not isinstance(self.device, Accelerator) or not isinstance(self.kernels, Kernels):
@@ -151,9 +188,10 @@ DP4_EP4_H200 = Deployment("dp4-ep4-h200", H200, 4, "dp", "ep",
 # The whole model on one device (its 96 GB of bf16 weights fit an H200): per-device bytes are the
 # model's own, the view a single-replica byte count takes.
 ONE_H200 = Deployment("one-h200", H200, 1, source="one device: every byte of the model on it")
-# What we assume the Kimi Linear report measured Figure 7 on: the report names no hardware.
-# Eight H800-class devices at TP8 make its 1M-token prefills possible at a plausible efficiency.
-REPORT_TP8_H800 = Deployment("report-tp8-h800 (assumed)", H800, 8, "tp", "tp",
+# What we assume the Kimi Linear report measured Figure 7 on: the report names no hardware. Of
+# the alternatives chapter 3 fits (2, 4 or 8 H800s; 4 or 8 H20s), four H800-class devices at TP4
+# fit best, with eight close behind; both stay in the ensemble that gives every verdict its band.
+REPORT_TP4_H800 = Deployment("report-tp4-h800 (assumed)", H800, 4, "tp", "tp", kernels=REPORT_KERNELS,
                              source="our assumption: the report does not state its hardware")
 # The reduced model on this CPU: one device, so per-device bytes are the model's own.
 LOCAL = Deployment("local-cpu", CPU, 1, kernels=CALIBRATED, memory_utilization=1.0, activation_reserve_bytes=0.0,

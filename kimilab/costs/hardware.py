@@ -17,7 +17,7 @@ from kimilab.config import ModelConfig, WeightModel
 from kimilab.costs._check import check_config
 
 __all__ = [
-    "Accelerator", "H800", "H200", "H20", "CPU", "Link", "NVLINK_H100", "INFINIBAND_NDR", "LOOPBACK",
+    "Accelerator", "H800", "H200", "H20", "A100", "CPU", "Link", "NVLINK_H100", "INFINIBAND_NDR", "LOOPBACK",
     "WeightModel", "estimate_params", "mixer_params", "weight_model",
 ]
 
@@ -37,6 +37,8 @@ H800 = Accelerator("H800 (H100-SXM class)", 80e9, 3.35e12, 989e12,
                    source="NVIDIA H100 SXM data sheet (the H800 has the same HBM3 and FLOPs, a narrower NVLink)")
 H200 = Accelerator("H200 SXM", 141e9, 4.8e12, 989e12, source="NVIDIA H200 data sheet: 141 GB HBM3e at 4.8 TB/s")
 H20 = Accelerator("H20", 96e9, 4.0e12, 148e12, source="NVIDIA H20 data sheet: 96 GB HBM3 at 4.0 TB/s, 148 TFLOP/s")
+A100 = Accelerator("A100 SXM 80GB", 80e9, 2.039e12, 312e12,
+                   source="NVIDIA A100 data sheet: 80 GB HBM2e at 2,039 GB/s, 312 TFLOP/s dense bf16")
 # The machine the reduced model runs on: its bytes are what the tests measure, its times are never modelled.
 CPU = Accelerator("this CPU", 0.0, 1.0, 1.0, source="the reduced model's arrays (bytes only)")
 

@@ -6,7 +6,8 @@ chunks admitted beside them as one forward pass. On the busiest device it costs:
     overhead   layers x kernels.layer_overhead_s (launches, norms, routing, the host)
   + comm       the step's collectives over the deployment's link
   + weights    max(weight bytes read / (HBM bandwidth x kernels.bandwidth),
-                   weight-matmul FLOPs / (peak x kernels.gemm))
+                   dense GEMM FLOPs / (peak x e(step tokens))
+                   + routed-expert FLOPs / (peak x e(tokens per touched expert)))
   + mixers     max(cache bytes / (HBM bandwidth x kernels.bandwidth),
                    attention FLOPs / (peak x kernels.attention) + KDA FLOPs / (peak x kernels.kda))
 
@@ -14,8 +15,10 @@ The weights are read once per step -- the experts the step's tokens route to, th
 union at the step's token count -- however many requests and chunks share it; each
 request's KV is read once and its states read and written once. The two rooflines are
 summed, not maxed: the weight matmuls and the attention/KDA kernels run one after the
-other. The efficiencies and the per-layer overhead are the calibrated ones of
-:data:`~kimilab.costs.deployment.CALIBRATED` (chapter 3 shows the fit and its errors).
+other. ``e(m)`` is the GEMM efficiency at ``m`` tokens (:meth:`Kernels.gemm_efficiency`): an
+expert in a mixture of experts sees only its share of the step's tokens, so its GEMMs run far
+below the dense ones'. The efficiencies and the per-layer overhead are the calibrated ones of
+:data:`~kimilab.costs.deployment.CALIBRATED` (chapter 3 shows each measurement and fit).
 
 Under DP-attention the busiest device holds an even share of the requests, but a prefill
 chunk stays whole on one device, so the busiest share is the larger of the two.
@@ -34,7 +37,7 @@ from kimilab.costs.hardware import weight_model
 from kimilab.costs.parallel import device_linear_flops, device_weight_bytes_read
 from kimilab.validate import check_int
 
-__all__ = ["StepWork", "step_work", "step_seconds", "decode_step_seconds", "prefill_chunks", "prefill_seconds",
+__all__ = ["StepWork", "step_work", "linear_seconds", "step_seconds", "decode_step_seconds", "prefill_chunks", "prefill_seconds",
            "prefill_seconds_saved", "checkpoint_write_seconds", "StepTimer"]
 
 
@@ -50,6 +53,18 @@ class StepWork:
     attention_flops: float
     kda_flops: float
     comm_seconds: float
+    expert_flops: float = 0.0  # the routed experts' share of weight_flops
+    gemm_tokens: float = 0.0  # tokens each dense GEMM sees (the step's, or the busiest device's)
+    expert_tokens: float = 0.0  # tokens each touched routed expert sees, on average
+
+    def gemm_seconds(self, kernels: Kernels | None = None) -> float:
+        """The weight matmuls at their FLOP rate: dense GEMMs at the step's tokens, experts at theirs."""
+        k, dev = kernels or self.deployment.kernels, self.deployment.device
+        dense = self.weight_flops - self.expert_flops
+        t = dense / (dev.peak_flops * k.gemm_efficiency(self.gemm_tokens, dev)) if dense else 0.0
+        if self.expert_flops:
+            t += self.expert_flops / (dev.peak_flops * k.gemm_efficiency(self.expert_tokens, dev))
+        return t
 
     def parts(self, kernels: Kernels | None = None) -> dict[str, float]:
         """Seconds of each term (``kernels``: the deployment's own unless given, for calibration)."""
@@ -59,7 +74,7 @@ class StepWork:
         mixer_flops_s = (self.attention_flops / (dev.peak_flops * k.attention)
                          + self.kda_flops / (dev.peak_flops * k.kda))
         return {"overhead": self.layers * k.layer_overhead_s, "communication": self.comm_seconds,
-                "weights": max(self.weight_bytes / bw, self.weight_flops / (dev.peak_flops * k.gemm)),
+                "weights": max(self.weight_bytes / bw, self.gemm_seconds(k)),
                 "mixers": max(self.cache_bytes / bw, mixer_flops_s)}
 
     def seconds(self, kernels: Kernels | None = None) -> float:
@@ -122,9 +137,25 @@ def step_work(cfg: ModelConfig, deployment: Deployment, *, decode: tuple[int, in
         busiest = max(-(-tokens // n), max((c for c, _ in chunks), default=0))
     if tokens == 0:
         return StepWork(dep, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    w = weight_model(cfg)
+    expert_flops, expert_tokens = 0.0, 0.0
+    if w.n_routed_experts:
+        frac = w.routed_top_k / w.n_routed_experts
+        expert_flops = 2.0 * w.routed_params * frac * tokens / dep.n_devices
+        touched = 1.0 - (1.0 - frac) ** tokens  # share of experts the step's tokens reach
+        expert_tokens = tokens * frac / touched
     return StepWork(dep, cfg.n_layers, device_weight_bytes_read(cfg, dep, tokens),
                     device_linear_flops(cfg, dep, tokens, busiest), cache_bytes, attn, kda,
-                    _comm_seconds(cfg, dep, tokens, busiest))
+                    _comm_seconds(cfg, dep, tokens, busiest), expert_flops, float(busiest), expert_tokens)
+
+
+def linear_seconds(cfg: ModelConfig, deployment: Deployment, tokens: int) -> float:
+    """The weight matmuls of ``tokens`` tokens through the whole model on ONE device of ``deployment``
+    at their FLOP rate (dense GEMMs at ``tokens``, experts at their share): what a context-parallel
+    rank holding the whole model pays for its rows."""
+    tokens = check_int("tokens", tokens, 1, unit="tokens")
+    one = deployment.with_(n_devices=1, attention="tp", experts="tp")
+    return step_work(cfg, one, decode=(tokens, 0)).gemm_seconds()
 
 
 def step_seconds(cfg: ModelConfig, deployment: Deployment, *, decode: tuple[int, int] = (0, 0),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from kimilab.config import ModelConfig
-from kimilab.costs import Deployment, attention_prefill_flops, linear_flops_per_token, weight_model
+from kimilab.costs import Deployment, attention_prefill_flops, linear_seconds, weight_model
 from kimilab.cp.costs import cp_link, scheme_costs
 from kimilab.cp.split import balanced_weights, split_bounds
 from kimilab.cp.zigzag import contiguous_layout, zigzag_layout
@@ -47,7 +47,7 @@ def _work_bounds(cfg: ModelConfig, dep: Deployment, T: int, P: int) -> list[int]
     """Cut points that give every rank the same whole-model compute (later tokens attend to more,
     so later ranks get fewer of them): equal quantiles of the cumulative per-token cost."""
     dev, k = dep.device, dep.kernels
-    flat = (linear_flops_per_token(cfg) / (dev.peak_flops * k.gemm)
+    flat = (linear_seconds(cfg, dep, T) / T
             + len(cfg.kda_layers) * chunk_kda_flops(64, cfg.n_heads, cfg.head_dim, cfg.head_dim) / 64
             / (dev.peak_flops * k.kda))
     pair = attention_prefill_flops(cfg, 1, 1) - attention_prefill_flops(cfg, 1, 0)  # one more key, every layer
@@ -73,7 +73,7 @@ def _rank_seconds(cfg: ModelConfig, dep: Deployment, rows: int, runs, affine: fl
     w = weight_model(cfg)
     layer_bytes = w.total_params * w.bytes_per_param / cfg.n_layers
     lin = max(layer_bytes / (dev.hbm_bandwidth * k.bandwidth),
-              rows * linear_flops_per_token(cfg) / cfg.n_layers / (dev.peak_flops * k.gemm))
+              linear_seconds(cfg, dep, max(rows, 1)) / cfg.n_layers)
     H, K = cfg.n_heads, cfg.head_dim
     kda = (chunk_kda_flops(rows, H, K, K, chunk=cfg.chunk_size) + 2 * cfg.conv_kernel * cfg.conv_channels * rows)
     per_attn = max(1, len(cfg.attn_layers))
