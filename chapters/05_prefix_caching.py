@@ -334,7 +334,8 @@ show_table(rows, ["trace", "ceiling", "90% of it at (tokens)", "= GB of KV per d
 # An infinite cache serves 0.374 of the real trace's prompt tokens, close to the cache
 # ratio of about 40% Mooncake reports for it ([mooncake](references.md#mooncake)). The
 # deep dives tabulate every hit rate, price the hits in prefill time (on the agent
-# sessions 2841.56 ms saved of a 2975.7 ms cold prefill, were every hit usable), and show
+# sessions 982.01 ms saved of a 1,040 ms cold prefill, were every hit usable; 912–1,480 ms
+# across chapter 3's 36 plausible kernel sets, and about 0.95 of the cold prefill under every one), and show
 # that token-exact matching of partial blocks lifts the chat workload from 0.717 to 0.807.
 #
 # ### Deep dive: every hit rate, the hits in prefill time, and Mooncake's reported ratios
@@ -394,13 +395,36 @@ for key in ("mooncake", "claude-code"):
                                                            capacity_tokens=capacities[-1] * 512))
     print(f"{key:<12} at {cap_names[-1]} tokens under {DP.name}: {r.prefill_ms_saved_per_request:8.2f} ms saved "
           f"of a {1e3 * r.prefill_seconds_cold / r.requests:,.1f} ms cold prefill")
+# The band: the agent sessions' hits (TP4, 33.6M tokens) priced under each of the 36 plausible kernel sets
+# (costs.members, chapter 3), on every 4th request in arrival order to keep it to seconds.
+kept = simulate(replayed["claude-code"], keep_per_request=True, cache=prefix.RunPrefixCache(
+    CFG, prefix.KVOnly(), deployment=DEP, block_size=512, capacity_tokens=capacities[-1] * 512))
+order = sorted(replayed["claude-code"], key=lambda r: r.arrival_ms)  # simulate's order (a stable sort)
+sample = [(r.input_length, out.usable_hit) for r, out in zip(order, kept.per_request)][::4]
+priced = {}  # kernels -> (seconds saved, cold seconds) over the sample
+
+
+def saved_and_cold(dep):
+    if dep.kernels not in priced:
+        timer = costs.StepTimer(CFG, dep)
+        priced[dep.kernels] = (sum(timer.prefill_saved(n, h) for n, h in sample), sum(timer.prefill(n) for n, _ in sample))
+    return priced[dep.kernels]
+
+
+ms = costs.band(lambda d: 1e3 * saved_and_cold(d)[0] / len(sample), DEP)
+share = costs.band(lambda d: saved_and_cold(d)[0] / saved_and_cold(d)[1], DEP, lambda f: f > 0.9)
+print(f"claude-code (every 4th request), saved: {ms.describe('{:,.0f}', 'ms')}")
+print(f"  share of the cold prefill, over 0.9: {share.describe('{:.3f}')}")
 
 # %% [markdown]
-# On the conversation trace a cache saves 10.81 ms of a 267.9 ms cold prefill per request
-# while it holds only the shared first block, and 96.11 ms at 33.6M cached tokens; on the
-# agent sessions 2841.56 ms of 2975.7 ms. Under DP-attention the same hits save more time,
+# On the conversation trace a cache saves 1.98 ms of a 67.1 ms cold prefill per request
+# while it holds only the shared first block, and 21.22 ms at 33.6M cached tokens; on the
+# agent sessions 982.01 ms of 1,040 ms. Under DP-attention the same hits save more time,
 # because a request's whole prefill runs on one device. The chat workload's prompts are
-# short, so even its 0.717 hit rate is worth 39.56 ms.
+# short, so even its 0.717 hit rate is worth 6.30 ms. The last line prices the agent
+# sessions' hits under each of the 36 kernel sets (on every 4th request, 975 ms under the
+# central one): the milliseconds move by half, the share of the cold prefill a hit skips
+# hardly at all, because a hit skips the same work whatever the kernels cost.
 #
 # **Against Mooncake's reported cache ratios.** Mooncake reports a cache ratio of about
 # 40% for this conversation trace ([mooncake](references.md#mooncake)). Replaying the

@@ -421,11 +421,12 @@ print(f"wall clock, same run: block tree {twins[False].wall_seconds:.2f} s, runs
 #   `dual`'s FLOP weight collapses (0.628), and a clairvoyant cache shows the room left:
 #   on chat the best online policy reaches 0.22 of it at 10 GB, 0.77 at a whole device;
 # - SGLang's fixed split leaves 18.9 GB to states that use 4.8 GB on average;
-# - int8 checkpoints (3.53x smaller) add up to 6.1% of prefill time saved, for a logit
+# - int8 checkpoints (3.53x smaller) add up to 6.4% of prefill time saved, for a logit
 #   error of about 0.8% of the logits' spread on the tiny model;
 # - under DP-attention the ranking holds, but `ends` keeps 0.672 of the attention bound
 #   at 40 GB instead of 0.839;
-# - a host-DRAM tier loads a 16,384-token hit 156x faster than recomputing it;
+# - a host-DRAM tier loads a 16,384-token hit 34x faster than recomputing it (30x to
+#   47x across chapter 3's 36 plausible kernel sets);
 # - and the last one times the replays.
 #
 # ### Deep dive: the designs that ship, as their engines store states
@@ -549,7 +550,8 @@ show_table(rows, ["trace", "requests", "hours", "mean prompt", "p99 prompt", "ce
 # %% [markdown]
 # The agent sessions are a different world: prompts ten times longer, and almost all of
 # each one (0.959 at infinite cache) is the session's own previous request. A cold
-# prefill of one takes seconds, so every hit is worth a great deal.
+# prefill of one takes 932 ms (mean of the first 2,000), against 77 ms for a chat
+# request, so every hit is worth a great deal.
 #
 # Now every policy on both traces at 10 and 40 GB and at the device budget, each with int8
 # checkpoints beside the native fp32 ones where a cache can store them (vLLM sizes its
@@ -836,8 +838,8 @@ show_table(rows, ["trace", "GB", "policy", "fp32", "bf16", "int8", "ms fp32", "m
            title="Usable hit by checkpoint precision, and prefill ms saved per request")
 
 # %% [markdown]
-# int8 checkpoints buy what their bytes buy: on chat `ends` saves 2.3% more prefill time
-# at 10 GB, 6.1% at 40 GB, 3.4% at the device budget and 2.8% at 160 GB (usable hit
+# int8 checkpoints buy what their bytes buy: on chat `ends` saves 2.5% more prefill time
+# at 10 GB, 6.4% at 40 GB, 3.6% at the device budget and 3.0% at 160 GB (usable hit
 # 0.182 to 0.193 at 40 GB), with bf16 between; on agents under 1%. The gain is modest
 # because a request-end policy keeps few states (12% of the memory at 40 GB): most of
 # the distance to the attention bound is states that were never admitted or were
@@ -904,18 +906,24 @@ for dep in (DEP, DP):
 state_ms = 1e3 * precision.checkpoint_bytes(CFG, DEP) / offload.HOST_DRAM.bandwidth
 print(f"one checkpoint from host DRAM at TP4: {state_ms:.3f} ms (int8: "
       f"{1e3 * precision.checkpoint_bytes(CFG, DEP, 'int8') / offload.HOST_DRAM.bandwidth:.3f} ms)")
+ratio = costs.band(lambda d: costs.prefill_seconds_saved(CFG, d, 32768, 16384)
+                   / offload.load_seconds(CFG, d, offload.HOST_DRAM, 16384), DEP, lambda x: x > 1)
+print(f"recompute / load, 16,384-token hit from host DRAM at TP4: {ratio.describe('{:.0f}', 'x')}")
 show_table(rows, ["deployment", "tier", "hit", "of", "load ms", "recompute ms", "x", "break-even"],
            formats={"load ms": ".2f", "recompute ms": ".2f", "x": ".0f"},
            title="Load a hit from a second tier, or recompute it (half of each prompt hits)")
 
 # %% [markdown]
 # Loading wins from the first block on: a 16,384-token hit loads from host DRAM in
-# 2.28 ms at TP4 against 354.95 ms of prefill (156x), and from one SSD in 10.31 ms
-# (34x); a checkpoint alone takes 0.172 ms from DRAM. So a second tier turns this
-# chapter's capacity question into a bandwidth one: the 160 GB column above is within
-# what host DRAM per device can hold, and a state is cheap to move. What this
-# arithmetic leaves out is contention (the PCIe link also carries other requests'
-# traffic) and the HBM copy itself; Mooncake's design exists to schedule exactly that.
+# 2.28 ms at TP4 against 78.26 ms of prefill (34x), and from one SSD in 10.31 ms
+# (8x); a checkpoint alone takes 0.172 ms from DRAM. The second line is the DRAM ratio
+# under each of chapter 3's 36 plausible kernel sets: the load is bytes over a link,
+# the recompute moves with the kernels, and loading wins under every one. So a second
+# tier turns this chapter's capacity question into a bandwidth one: the 160 GB column
+# above is within what host DRAM per device can hold, and a state is cheap to move.
+# What this arithmetic leaves out is contention (the PCIe link also carries other
+# requests' traffic) and the HBM copy itself; Mooncake's design exists to schedule
+# exactly that.
 #
 # ### Deep dive: how fast the simulation runs
 #

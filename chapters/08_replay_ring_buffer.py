@@ -74,6 +74,9 @@ moved4 = {s: spec_costs.mean_moved_bytes(CFG, TP4, s, 4, 5) / S4 for s in STRATE
 lazy_best = min(spec_costs.mean_moved_bytes(CFG, TP4, "lazy-ring", 4, 3, ring_len=L, tokens_per_step=TAU)
                 for L in RINGS) / TAU / 1e6
 be_slot = [spec_costs.break_even_acceptance(CFG, TP4, 4096, 4, "slot", batch=B) for B in (1, 16, 64, 256)]
+be_at = lambda d, B: spec_costs.break_even_acceptance(CFG, d, 4096, 4, "slot", batch=B)  # noqa: E731
+be256 = costs.band(lambda d: be_at(d, 256), TP4, lambda a: a < 0.75)  # over the 36 kernel sets: pays at alpha = 0.75?
+fall = costs.band(lambda d: be_at(d, 16) - be_at(d, 64), TP4, lambda x: x > 0)  # falls from batch 16 to 64?
 key_results(
     f"Going back needs only what the state update reads: at 48B a token's record (bf16) is "
     f"{ratio['post-conv']:.1f}x smaller than a state, {ratio['low-rank']:.1f}x for the leanest record.",
@@ -83,7 +86,9 @@ key_results(
     f"The lazy ring writes its state back only when its ring is full: at its best ring length it moves "
     f"{lazy_best:.2f} MB per token against {2 * S4 / 1e6:.2f} MB for plain decoding (k = 4, α = 0.75).",
     f"The acceptance at which speculation pays is not monotone in batch: with slot selection at k = 4 on TP4 it "
-    f"is {be_slot[0]:.3f}, {be_slot[1]:.3f}, {be_slot[2]:.3f} and {be_slot[3]:.3f} at batch 1, 16, 64 and 256.",
+    f"is {be_slot[0]:.3f}, {be_slot[1]:.3f}, {be_slot[2]:.3f} and {be_slot[3]:.3f} at batch 1, 16, 64 and 256. Over "
+    f"the 36 plausible kernel sets, the break-even at 256 stays below the α = 0.75 used here: {be256.describe()}; "
+    f"its fall from 16 to 64: {fall.describe()}.",
 )
 
 # %% [markdown]
@@ -523,14 +528,17 @@ plots.save(fig, "ch08-break-even")
 plt.show()
 
 # %% [markdown]
-# Takeaway: break-even is low at batch 1 (0.034–0.202 on TP4 for k = 1–8: a step is
-# mostly fixed cost), rises at 16, falls at 64 and climbs at 256, where the step is
-# compute-bound (0.164–0.789). The strategies spread with batch: at 256 and k = 1 from
-# 0.181 (lazy ring) to 0.359 (copy-back) on TP4. The two deployments agree to within two
-# hundredths, so the verdict holds on both; batch moves it.
+# Takeaway: break-even is low at batch 1 (0.060–0.307 on TP4 for k = 1–8: a step is
+# mostly fixed cost), rises at 16 and falls at 64. At 256 (0.000–0.487) it climbs again
+# from k = 4 on, where the verify's matmuls turn compute-bound; at k = 1 it falls further
+# for all but copy-back, and the strategies spread: from 0.000 (lazy ring: its verify step
+# costs no more than a decode step, so speculating never loses) to 0.189 (copy-back). The two
+# deployments agree to within 0.025, so the verdict holds on both; batch moves it. Over
+# chapter 3's 36 plausible kernel sets (Key results) the fall from 16 to 64 holds, and
+# slot selection at k = 4 and batch 256 needs 0.212–0.326.
 #
 # The deep dives explain the rise at 16 (80 verified tokens touch 236 of 256 experts, 16
-# decoded ones 102) and give the rollback's share of a step (up to 12.5% at 256), CPU
+# decoded ones 102) and give the rollback's share of a step (up to 30.5% at 256), CPU
 # timings, replay FLOPs and where replay stops paying.
 #
 # ### Deep dive: why a verify is cheap at batch 1 and dear at 256
@@ -549,12 +557,14 @@ show_table(rows, ["batch", "decode ms", "verify k=4 ms", "ratio", "experts: deco
            title=f"experts read per layer, of {w.n_routed_experts} ({w.routed_top_k} per token)")
 
 # %% [markdown]
-# At batch 1 the step is mostly fixed cost (27 layers of kernel launches and host work), so
-# verifying 5 tokens instead of 1 adds 13%. At batch 16 the decode step's 16 tokens touch
-# 102 of the 256 experts per layer, but the verify's 80 tokens touch 236: the verify reads
-# 2.31 times the expert weights, and costs 1.44 decode steps. At batch 64 both already read
-# nearly every expert, and the verify is back to 1.16. At batch 256 the step is
-# compute-bound, and 5 times the tokens cost 2.38 times the time. This **mixture-of-experts
+# At batch 1 the step is mostly fixed cost (27 layers of kernel launches and the
+# all-reduces' latency), so verifying 5 tokens instead of 1 adds 23%. At batch 16 the
+# decode step's 16 tokens touch 102 of the 256 experts per layer, but the verify's 80
+# tokens touch 236: the verify reads 2.31 times the expert weights, and costs 1.62 decode
+# steps. At batch 64 both already read nearly every expert, and the verify is back to
+# 1.19. At batch 256 the decode step still reads its weights faster than it multiplies
+# them, the verify's five tokens a request do not (its matmuls are compute-bound), and 5
+# times the tokens cost 1.38 times the time. This **mixture-of-experts
 # union** makes the price of a verify, and with it the break-even acceptance, rise, fall
 # and rise again with batch (uniform routing assumed, as the step model does; real routing
 # is skewed, which narrows the gap).
@@ -593,13 +603,16 @@ plots.save(fig, "ch08-rollback-share")
 plt.show()
 
 # %% [markdown]
-# Takeaway: at batch 1 every rollback is under 2% of a step; at batch 256 copy-back costs
-# 10.6–12.5% of it, slot selection 3.8–10.2%, replay and the ring 2.8–5.2%, and the lazy
-# ring saves up to 2.8% (it writes fewer states than the forward pass is charged for) until
-# k = 8 fills its 16-entry ring. A measured profile on vLLM-metal put 19.3% of a speculative
-# step in rejection trim/restore/replay at one draft token
-# ([vllm-metal-610](references.md#vllm-metal-610)): such overheads come from the implementation
-# (launches, host-side copies), not from the bytes a rollback must move.
+# Takeaway: at batch 1 every rollback is at most 2.3% of a step; at batch 256 copy-back
+# costs 14.3–30.5% of it, slot selection 5.3–26.0%, replay and the ring 6.4–8.7%, and the
+# lazy ring saves up to 4.0% (it writes fewer states than the forward pass is charged for)
+# until k = 8 fills its 16-entry ring. With faster kernels the step shrinks and the bytes
+# a rollback moves do not, so at large batch and long drafts the copies are what a
+# serving engineer should avoid. At one draft token our rollbacks stay at most 15.5% of a
+# step even at batch 256 and under 1% at batch 1; a measured profile on vLLM-metal put 19.3%
+# of a speculative step in rejection trim/restore/replay at one draft token
+# ([vllm-metal-610](references.md#vllm-metal-610)): at small batch such overheads come from the
+# implementation (launches, host-side copies), not from the bytes a rollback must move.
 #
 # ### Deep dive: rollback time on the reduced model (wall clock)
 #
@@ -682,7 +695,7 @@ show_table(rows, ["head_dim", "state+conv / layer (B)", "record / layer (B, bf16
 # %% [markdown]
 # So replay stops paying where the state is small and the kept length long: with
 # head_dim 16 the bytes saved fall to single digits, and if the replay kernel runs at
-# 0.2% of peak, slot selection beats replaying 3 kept positions and copy-back 4. Chapter
+# 0.2% of peak, slot selection beats replaying 4 kept positions and copy-back 5. Chapter
 # 12 collects this crossover with the others.
 
 # %% [markdown]
@@ -696,9 +709,10 @@ show_table(rows, ["head_dim", "state+conv / layer (B)", "record / layer (B, bf16
 # - Per GPU at 48B under TP4: snapshots hold 10.85–97.69 MB per request at k = 1–8, replay
 #   0.49–2.21 MB. Slot selection moves the fewest states at k = 1, replay from k = 2, and
 #   the lazy ring (k ≤ 4) fewer than plain decoding: a quarter of its bytes per token.
-# - Break-even acceptance is not monotone in batch (0.118, 0.306, 0.135, 0.617 at batch 1,
+# - Break-even acceptance is not monotone in batch (0.190, 0.388, 0.163, 0.277 at batch 1,
 #   16, 64, 256 for slot selection at k = 4): at small batch the verify's tokens touch more
-#   experts than the decode's.
+#   experts than the decode's. The fall from 16 to 64 holds under all 36 plausible kernel
+#   sets.
 #
 # **Next chapter:** how can one long prompt be prefilled across several GPUs when a KDA
 # state, unlike attention's, cannot be split into parts that simply add?

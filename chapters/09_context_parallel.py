@@ -55,6 +55,7 @@ from kimilab.exercises import verify
 from kimilab.kda.testing import random_inputs
 from kimilab.model import Model
 from kimilab.notebook import key_results, show_source, show_table
+from kimilab.verdict import crossover
 
 plots.use_style()
 H, K, V, H2 = 4, 64, 64, 2  # heads and dims; H2 heads of 64 for the cells that time passes
@@ -690,21 +691,38 @@ print(f"best: {v['scope']}, {v['schedule']} + {v['layout']}, T = {v['T']:,}, on 
 print(f"  over {v['link']}: {v['speedup']:.2f}x, efficiency {v['efficiency']:.0%}")
 print("one device: " + ", ".join(f"T = {T:,} {verdicts['exchange', 'zigzag', 2, T]['one_device_seconds']:.2f} s"
                                  for T in T_MODEL))
+
+
+def half_used(d, P):  # the prompt length from which P devices of d reach 50% efficiency (exchange, zigzag)
+    c = crossover(lambda T: cp.model_cp_prefill(kimi_linear_48b, int(T), P, deployment=d, schedule="exchange",
+                                                layout="zigzag", affine_cost=1.5)["efficiency"] - 0.5, 256, 2**22, grid=13)
+    return c.x if c.x else (c.lo if c.kind.startswith("pays") else c.hi)
+
+
+for P in (8, 16):  # over chapter 3's 36 plausible kernel sets; the verdict: half of P used below 2^17 tokens
+    print(f"P = {P}: efficiency >= 50% from "
+          f"{costs.band(lambda d: half_used(d, P), DEP, lambda x: x < 2**17).describe('{:,.0f}', 'tokens')}")
 cols = [f"T=2^{T.bit_length() - 1} P{P}" for T in T_MODEL for P in (8, 16)]
 show_table([(f"{s}, {lay}", *(verdicts[s, lay, P, T]["speedup"] for T in T_MODEL for P in (8, 16)))
             for s, lay, _ in SCHED], ["schedule, layout", *cols], formats={c: ".1f" for c in cols},
            title="Whole model: speedup over one device (x), affine cost 1.5")
 
 # %% [markdown]
-# The exchange with zigzag global layers keeps most of P at every length, within a node
-# and across two. Contiguous slices lose a third of the devices at 2^20 tokens, where
-# attention dominates. The relay serialises only the KDA kernels, so it stays close at
-# small P and falls behind as P grows; the pipelined relay never beats the exchange. This
-# rests on chapter 3's calibrated kernels: take away the ordering, not the digits, which
-# are optimistic (rtp-llm's relay measured 3.39x at CP = 8 on 32K tokens of Qwen3.5-9B,
-# [rtp-llm-relay](references.md#rtp-llm-relay)). The deep dive gives one KDA layer's band
-# (4.91x-7.94x at P = 8 and 2^20 tokens, living to flushed M) and splits the model's time
-# (attention 53.0% at 2^20 tokens, KDA 2.2%).
+# The exchange with zigzag global layers keeps most of P from 2^17 tokens on, within a
+# node and across two. At 2^15 tokens 16 devices are no faster than 8 (5.1x against
+# 5.2x): each device still reads the whole model's weights, for a slice too short to hide
+# that read. The two lines above the table give the prompt length from which the
+# exchange keeps half of P, under each of chapter 3's 36 plausible kernel sets:
+# 14,608–19,612 tokens on 8 devices and 49,760–70,658 on 16, so the verdict "half of P
+# below 2^17 tokens" holds across the band. Contiguous slices lose nearly half the devices
+# at 2^20 tokens, where attention dominates. The relay serialises only the KDA kernels,
+# so it comes close where attention dominates (7.5x against 7.9x at 2^20 tokens on 8)
+# and falls behind at short prompts; the pipelined relay never beats the exchange. This
+# rests on chapter 3's calibrated kernels: take away the ordering more than the digits
+# (rtp-llm's relay measured 3.39x at CP = 8 on 32K tokens of Qwen3.5-9B, our relay 3.9x
+# on 2^15 tokens of the 48B model, [rtp-llm-relay](references.md#rtp-llm-relay)). The
+# deep dive gives one KDA layer's band (4.85x-7.79x at P = 8 and 2^20 tokens, living to
+# flushed M) and splits the model's time (attention 91.6% at 2^20 tokens, KDA 0.9%).
 #
 # ### Deep dive: one KDA layer's band, and where the model's time goes
 #
@@ -754,9 +772,11 @@ print(f"measured cost of the cheaper method (medians) {lo_cost:.2f}-{hi_cost:.2f
 print(f"this machine at P = 2: {runs['flushed']['speedup']:.2f}x (flushed)")
 
 # %% [markdown]
-# For one KDA layer the exchange is tiny next to the compute at 2^20 tokens, so the
-# prediction is mostly the affine cost: the band is the answer, and the grey line at
-# P = 8 marks where the link changes from NVLink to the inter-node one. The costs measured
+# For one KDA layer at 2^20 tokens the exchange is small next to the compute within a
+# node, so up to P = 8 the prediction is mostly the affine cost: the band is the answer.
+# The grey line at P = 8 marks where the link changes from NVLink to the inter-node one;
+# beyond it the exchange takes over, and 64 devices gain little more than 16 (7.72x-8.50x
+# against 7.64x-11.46x). The costs measured
 # on this CPU are a proxy; a GPU kernel's ratio would have to be measured on a GPU, and
 # would move the prediction within (or beyond) the band. Where the whole model's time
 # goes on one device:
@@ -806,7 +826,9 @@ plt.show()
 # - Contiguous slices give causal attention's busiest rank about twice the mean work;
 #   zigzag balances it at two all-to-alls per global layer.
 # - In the cost model the whole 48B model keeps most of P with the exchange and zigzag
-#   (7.90x on 8 devices at 2^20 tokens); one KDA layer's speedup is a band, 4.91x-7.94x.
+#   (7.93x on 8 devices at 2^20 tokens; half of P from 17,712 tokens on 8 devices, and
+#   from 14,608–19,612 under every plausible kernel set); one KDA layer's speedup is a
+#   band, 4.85x-7.79x.
 #
 # **Next chapter:** with one long prompt split across devices, how does one engine serve
 # many requests at once on one page pool, and how much traffic can a fleet of engines
