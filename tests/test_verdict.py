@@ -62,5 +62,7 @@ def test_a_band_labels_its_verdict_and_knows_a_byte_count():
     assert b.lo <= b.central <= b.hi and b.lo < b.hi and b.label == "holds across the band"
     flip = costs.band(ratio, dep, lambda x: x > b.central)  # the central itself fails: members above flip it
     assert flip.label.startswith("flips under")
+    graph_only = costs.band(ratio, dep, lambda x: x > 1, only=lambda m: m.choices[3] == "CUDA graphs")
+    assert b.lo <= graph_only.lo <= graph_only.hi <= b.hi and graph_only.central == b.central
     nbytes = costs.band(lambda d: costs.kv_bytes_per_token(kimi_linear_48b, d), dep, lambda x: x > 0)
     assert nbytes.lo == nbytes.hi and nbytes.label.startswith("byte-driven")

@@ -82,11 +82,15 @@ class Band:
 
 
 def band(value: Callable[[Deployment], float], deployment: Deployment,
-         verdict: Callable[[float], bool] | None = None, *, rel_tol: float = 1e-9) -> Band:
-    """``value`` under every member. With ``verdict`` (a test on the value, e.g. ``lambda x: x > 1``)
-    the label says whether it holds across the band or under how many members it flips, and the
-    members nearest the centre that flip it (fewest axes changed)."""
+         verdict: Callable[[float], bool] | None = None, *, rel_tol: float = 1e-9,
+         only: Callable[[Member], bool] | None = None) -> Band:
+    """``value`` under every member (or those ``only`` keeps; the central one always). With
+    ``verdict`` (a test on the value, e.g. ``lambda x: x > 1``) the label says whether it holds
+    across the band or under how many members it flips, and the member nearest the centre that
+    flips it (fewest axes changed)."""
     ms = members()
+    if only is not None:
+        ms = (ms[0],) + tuple(m for m in ms[1:] if only(m))
     vals = [float(value(deployment.with_(kernels=m.kernels))) for m in ms]
     central = vals[0]
     i_lo = min(range(len(vals)), key=vals.__getitem__)
