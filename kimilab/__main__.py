@@ -11,6 +11,7 @@ Commands:
 * ``student``               write the student bundle: no solutions, no answers (``make student``)
 * ``grade SUBMISSION...``   execute answered student notebooks; a CSV of every exercise (``make grade``)
 * ``experiment``            the book's experiment: results/part_a.* and part_b.* (``make experiment``)
+* ``capacity``              every variant's capacity on your own sessions and/or chat trace; one JSON object
 * ``fleet TRACE...``        serve traces (one tenant each) on a fleet of engines; one JSON object
 * ``cp --tokens T``         context-parallel KDA on the ranks of ``mpiexec -n P``; one JSON object
 
@@ -124,6 +125,16 @@ def _parser() -> _Parser:
 
     e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
     experiment_arguments(e)
+    from kimilab.experiment.capacity import add_arguments as capacity_arguments
+
+    k = sub.add_parser("capacity", help="every variant's capacity on your own traffic, over several orders; "
+                                        "print one JSON object",
+                       description="Measure each variant's goodput on converted Claude Code sessions (--sessions) "
+                                   "and/or a Mooncake-format chat trace (--trace), each over several orders of the "
+                                   "traffic, with a search that does not assume pass/fail is monotone in the load; "
+                                   "print one JSON object: per variant the mean, min, max and spread, $/M output "
+                                   "tokens, the ratio to the baseline and a higher/lower/tie label.")
+    capacity_arguments(k)
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
@@ -369,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kimilab.experiment import results
 
         return results.run(args)
+    if args.command == "capacity":
+        from kimilab.experiment import capacity
+
+        return capacity.run(args, sub)
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))

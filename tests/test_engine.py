@@ -46,6 +46,13 @@ def _check_conservation(result, requests) -> None:
     assert np.all(result.served + result.computed >= result.input_tokens)
 
 
+def _check_gaps(result) -> None:
+    """Every output token after a request's first has exactly one gap recorded (across preemptions,
+    recomputes and instance failures), and no gap is negative."""
+    hist = result.tbt_histogram()
+    assert hist.count == int(np.maximum(result.output_tokens - 1, 0).sum())
+
+
 def _fleet_ok(fleet: Fleet) -> None:
     for e in fleet.instances:
         if not e.alive:
@@ -76,6 +83,7 @@ def test_conservation_and_no_leak(seed, n_inst, router, quota, fail, capacity_bl
         assert gc.collect() == 0
     assert result.refused == 0
     _check_conservation(result, reqs)
+    _check_gaps(result)
     _fleet_ok(fleet)
 
 
@@ -87,6 +95,7 @@ def test_preemption_and_chunking_are_exercised():
     _fleet_ok(fleet)
     assert result.preemptions > 0
     assert np.any(result.computed > result.input_tokens - result.usable_hit)  # preempted: recomputed
+    _check_gaps(result)
     assert result.usable_hit.sum() > 0
     steps = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=ONE_H200, capacity_tokens=None, token_budget=1024, keep_steps=True)
     steps.run(reqs[:5])
@@ -253,6 +262,8 @@ def test_fast_engine_equals_its_slow_twin(seed, n_inst, router, quota, fail, cap
     (fa, a), (fb, b) = out
     for name in _COLUMNS:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_array_equal(a.tbt_histogram().counts, b.tbt_histogram().counts, err_msg="tbt")
+    _check_gaps(a)
     assert (a.preemptions, a.restarts, a.refused) == (b.preemptions, b.restarts, b.refused)
     assert [e.n_steps for e in fa.instances] == [e.n_steps for e in fb.instances]
     _fleet_ok(fa)
@@ -294,3 +305,61 @@ def test_a_dp_attention_device_is_an_engine_of_its_own():
     res = fleet.run(reqs)
     _check_conservation(res, reqs)
     assert res.devices == 8 and res.n_deployed == 2
+
+
+# ----- the step budgets come from the deployment (issue 34) --------------------------------------
+
+def test_the_engine_takes_its_budgets_from_the_deployment():
+    """``token_budget`` and ``max_batch`` default to the deployment's ``max_batched_tokens`` and
+    ``max_num_seqs``; explicit values still win; a bad field is named."""
+    from kimilab.costs import Deployment, H200
+
+    e = Engine(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=None)
+    assert (e.budget, e.max_batch) == (ONE_H200.max_batched_tokens, ONE_H200.max_num_seqs) == (8192, 1024)
+    tuned = ONE_H200.with_(max_batched_tokens=2048, max_num_seqs=64)
+    e = Engine(kimi_linear_48b, deployment=tuned, capacity_tokens=None)
+    assert (e.budget, e.max_batch) == (2048, 64)
+    e = Engine(kimi_linear_48b, deployment=tuned, capacity_tokens=None, token_budget=1000, max_batch=3)
+    assert (e.budget, e.max_batch) == (1000, 3)
+    fleet = Fleet(kimi_linear_48b, 2, "least-work", deployment=tuned, capacity_tokens=None)
+    assert all((i.budget, i.max_batch) == (2048, 64) for i in fleet.instances)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            Deployment("x", H200, 1, max_num_seqs=bad)
+    with pytest.raises(ValueError, match="token_budget"):
+        Engine(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=None, token_budget=0)
+
+
+def test_a_2048_token_deployment_prefills_in_2048_token_steps():
+    """A deployment with ``max_batched_tokens=2048`` cuts a 10,000-token prefill into 2,048-token steps,
+    and its max_num_seqs caps the running batch."""
+    dep = ONE_H200.with_(max_batched_tokens=2048, max_num_seqs=2)
+    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=dep, capacity_tokens=None, keep_steps=True)
+    fleet.run([Request(0, 0, 10_000, 1, hash_ids=tuple(range(1, 21)))])
+    assert [r[4] for r in fleet.instances[0].steps] == [2048, 2048, 2048, 2048, 1808]
+    e = Engine(kimi_linear_48b, deployment=dep, capacity_tokens=None)
+    for i in range(5):
+        e.submit(Live(Request(i, 0, 600, 50, hash_ids=(100 + i, 200 + i)), 0.0))
+    e.advance(1e-9)
+    assert len(e.running) == 2 and len(e.queue) == 3
+
+
+# ----- time between tokens, token by token (issue 34) --------------------------------------------
+
+def test_the_engine_records_every_gap_between_tokens():
+    """A decode sharing steps with a long prefill sees those steps as gaps: the gap log equals the step
+    log's (n_decode x k gaps of each step's time), its longest gap is the longest mixed step, and the
+    request's mean TPOT hides it."""
+    from kimilab.engine.gaps import GapHistogram
+
+    reqs = [Request(0, 0, 1024, 400, hash_ids=(1, 2)), Request(1, 1000, 6 * 8192, 2, hash_ids=tuple(range(10, 106)))]
+    fleet = Fleet(kimi_linear_48b, 1, "least-loaded", deployment=ONE_H200, capacity_tokens=None, keep_steps=True)
+    res = fleet.run(reqs)
+    steps = fleet.instances[0].steps
+    from_steps = GapHistogram.of([r[1] for r in steps], weights=[r[2] * r[3] for r in steps])
+    np.testing.assert_array_equal(res.tbt_histogram().counts, from_steps.counts)
+    _check_gaps(res)
+    mixed = max(r[1] for r in steps if r[3] and r[4])
+    assert res.tbt_histogram().max() == pytest.approx(mixed, rel=0.01)
+    assert res.tpot_s[res.request_ids == 0][0] < mixed / 2  # the mean hides the stalls
+

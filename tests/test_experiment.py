@@ -64,7 +64,7 @@ from kimilab.experiment import BASELINE, VARIANT_NAMES, cost_per_m_output, run_p
 from kimilab.experiment.tables import part_b_table  # noqa: E402
 
 SMALL = dict(n_requests=300, instances=1, agent_instances=1, agent_duration_s=240.0, seeds=1, rel_tol=0.3,
-             price_per_hour=3.0, start_scale=1.0, workers=1)
+             price_per_hour=3.0, start_scale=1.0, workers=1, confirm=1)  # seeds: the old name of orders
 SOME = (BASELINE, "none + prefix-affinity", "ends + least-work", "kv-only + prefix-affinity", "all-MLA fp8 TP4")
 
 
@@ -165,3 +165,38 @@ def test_part_a_twice_agrees_except_the_wall_clock_fields(part_a, tmp_path):
     strip = lambda res: [{k: v for k, v in r.items() if k not in walls} for r in res["rows"]]  # noqa: E731
     assert strip(first) == strip(second)
     assert {k: v for k, v in first.items() if k != "rows"} == {k: v for k, v in second.items() if k != "rows"}
+
+
+# ----- tuning the baseline's step budget and batch cap (issue 34) ---------------------------------
+
+def test_tune_finds_the_best_setting_on_a_synthetic_measure():
+    import math
+
+    from kimilab.costs import VLLM_TP4_H200
+    from kimilab.experiment.tuning import BUDGETS, SEQS, tune
+
+    seen = []
+
+    def measure(changes):  # peaks at 4096 tokens, 256 sequences; builds the deployment as a caller would
+        dep = VLLM_TP4_H200.with_(**changes)
+        seen.append((dep.max_batched_tokens, dep.max_num_seqs))
+        return -abs(math.log2(dep.max_batched_tokens / 4096)) - 0.1 * abs(math.log2(dep.max_num_seqs / 256))
+
+    best = tune(measure)
+    assert best.changes == {"max_batched_tokens": 4096, "max_num_seqs": 256} and best.value == 0.0
+    assert len(best.rows) == len(BUDGETS) * len(SEQS) == len(seen)
+    assert seen == [(b, s) for b in BUDGETS for s in SEQS]  # budgets, then seqs, in the order given
+    assert best.table()[0] == [2048, 64, best.rows[0]["value"]]
+    assert tune(measure) == best  # deterministic
+    flat = tune(lambda c: 1.0, budgets=(8192, 2048), seqs=(512, 64))
+    assert flat.changes == {"max_batched_tokens": 2048, "max_num_seqs": 64}  # a tie: the cheaper setting
+    nan = tune(lambda c: math.nan if c["max_batched_tokens"] == 2048 else 1.0, budgets=(2048, 4096), seqs=(8,))
+    assert nan.changes["max_batched_tokens"] == 4096
+    for bad, name in ((dict(budgets=()), "budgets"), (dict(budgets=(0,)), "budgets"), (dict(seqs=(8, 8)), "seqs"),
+                      (dict(seqs=(1.5,)), "seqs")):
+        with pytest.raises(ValueError, match=name):
+            tune(measure, **bad)
+    with pytest.raises(ValueError, match="measure"):
+        tune(lambda c: "fast", budgets=(2048,), seqs=(8,))
+    with pytest.raises(ValueError, match="measure"):
+        tune(None)

@@ -251,3 +251,162 @@ def test_closed_loop_waits_for_the_reply_and_the_think_time():
     assert max(f.arrival_s for f in done.values()) < 300.0
     with pytest.raises(ValueError, match="concurrency"):
         run_closed_loop(fleet, turns, concurrency=0, duration_s=10.0)
+
+
+# ----- time between tokens and the steady-state window (issue 34) ---------------------------------
+
+from fuzzing import examples  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+class _Hand:
+    """A hand-built result: requests' columns and a gap log, what window/meets read."""
+
+    def __init__(self, arrival_s, ttft_s, tpot_s, output_tokens, gaps):
+        from kimilab.engine.gaps import GapLog
+
+        n = len(arrival_s)
+        self.arrival_s, self.ttft_s = np.asarray(arrival_s, float), np.asarray(ttft_s, float)
+        self.tpot_s, self.e2e_s = np.asarray(tpot_s, float), np.zeros(n)
+        self.output_tokens = np.asarray(output_tokens, int)
+        self.finished = self.requests = n
+        self.aborted, self.busy_s = False, np.zeros((1, 1))
+        self.n_instances = self.n_deployed = self.devices = 1
+        self.tbt = GapLog(10.0)
+        for t, gap, count in gaps:  # (token time, gap, how many)
+            self.tbt.add(t, gap, count)
+
+
+def test_one_long_gap_fails_tbt_p99_when_it_is_over_one_percent_of_gaps():
+    """Mean TPOT 45 ms passes any 100 ms mean bound, yet one 300 ms gap among 51 (2%) puts the TBT p99
+    over 100 ms; among 201 gaps (0.5%) it does not. The histogram agrees with numpy on the raw gaps."""
+    from kimilab.fleet.goodput import MOONCAKE_SLO, MOONCAKE_SLO_200, SLO, meets, window
+
+    mean_bound = SLO("mean", 30.0, 99, 0.100, 99, "test")
+    for n_fast, fails in ((50, True), (200, False)):
+        gaps = np.r_[np.full(n_fast, 0.040), 0.300]
+        res = _Hand([0.0], [1.0], [gaps.mean()], [n_fast + 2], [(5.0, 0.040, n_fast), (5.0, 0.300, 1)])
+        assert gaps.mean() < 0.1 and meets(res, mean_bound)
+        got = window(res, MOONCAKE_SLO)
+        assert got["tbt_gaps"] == n_fast + 1
+        assert got["tbt_s"] == pytest.approx(np.percentile(gaps, 99), rel=0.005)
+        assert meets(res, MOONCAKE_SLO) is not fails
+        assert meets(res, MOONCAKE_SLO_200) is not (np.percentile(gaps, 99) > 0.2)
+    assert MOONCAKE_SLO.tbt_s == 0.100 and MOONCAKE_SLO.tpot_s is None and MOONCAKE_SLO.ttft_s == 30.0
+    assert MOONCAKE_SLO_200.tbt_s == 0.200 and "per token" in MOONCAKE_SLO.source
+    assert "TBT p99 <= 100 ms" in MOONCAKE_SLO.describe()
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4000), sigma=st.floats(0.05, 3.0),
+       median=st.floats(1e-4, 10.0))
+def test_the_gap_histogram_reads_percentiles_within_half_a_percent(seed, n, sigma, median):
+    from kimilab.engine.gaps import GapHistogram
+
+    rng = np.random.default_rng(seed)
+    gaps = np.clip(rng.lognormal(np.log(median), sigma, n), 2e-6, 900.0)
+    h = GapHistogram.of(gaps)
+    assert h.count == n
+    for q in (0, 1, 50, 90, 99, 99.9, 100):
+        assert h.percentile(q) == pytest.approx(np.percentile(gaps, q), rel=0.005)
+    assert h.mean() == pytest.approx(gaps.mean(), rel=0.005)
+    half = n // 2
+    np.testing.assert_array_equal((GapHistogram.of(gaps[:half]) + GapHistogram.of(gaps[half:])).counts, h.counts)
+
+
+def test_gap_memory_does_not_grow_with_tokens():
+    """The histogram is a fixed array; the log holds one entry per (time bucket, distinct step time):
+    a hundred times the decoders per step (tokens) costs not one byte more."""
+    from kimilab.engine.gaps import N_BINS, GapHistogram, GapLog
+
+    rng = np.random.default_rng(0)
+    dts = rng.choice(rng.uniform(0.01, 0.3, 40), 20_000)  # 40 distinct step times
+    logs = {}
+    for n in (2, 200):
+        log, t = GapLog(10.0), 0.0
+        for dt in dts:
+            log.add_run(t, dt, 3, n)
+            t += 3 * dt
+        logs[n] = log
+    assert logs[200].histogram().count == 100 * logs[2].histogram().count == 200 * 3 * len(dts)
+    assert logs[200].nbytes == logs[2].nbytes <= (t // 10 + 1) * 40 * 20 + 4000
+    h = GapHistogram.of(np.full(10**6, 0.05))
+    assert h.nbytes == GapHistogram().nbytes == 8 * N_BINS
+
+
+def test_the_steady_window_drops_the_warm_up_and_the_drain():
+    """Requests arriving in the last cooldown_frac of the span (the backlog that drains at the end) and
+    the gaps of that time are not judged; a warm-up is a fraction or seconds, whichever is later."""
+    import math
+
+    from kimilab.fleet.goodput import MOONCAKE_SLO, SLO, meets, steady_window, window
+
+    arrivals = np.arange(100.0)
+    assert steady_window(arrivals, MOONCAKE_SLO) == (-math.inf, math.inf)
+    steady = SLO("s", 30.0, 99, None, 99, "test", tbt_s=0.1, warmup_frac=0.1, cooldown_frac=0.2)
+    assert steady_window(arrivals, steady) == pytest.approx((9.9, 79.2))
+    assert steady_window(arrivals, SLO("w", 30.0, 99, None, 99, "t", warmup_s=30.0, warmup_frac=0.1))[0] == 30.0
+    ttft = np.where(arrivals >= 90, 40.0, 1.0)  # the drain: the last tenth waits
+    gaps = [(t + 5.0, 0.04, 100) for t in range(0, 80, 10)] + [(85.0, 0.5, 100), (95.0, 0.5, 100)]
+    res = _Hand(arrivals, ttft, np.full(100, 0.04), np.full(100, 10), gaps)
+    assert not meets(res, MOONCAKE_SLO)
+    assert meets(res, steady)
+    got = window(res, steady)
+    assert got["requests"] == 70 and got["tbt_gaps"] == 700 and got["ttft_s"] == 1.0
+    cool_only = SLO("c", 30.0, 99, None, 99, "t", tbt_s=0.1, cooldown_frac=0.05)  # the 90 s bucket stays in
+    assert not meets(res, cool_only) and window(res, cool_only)["ttft_s"] == 40.0
+    for bad in (dict(cooldown_frac=1.0), dict(warmup_frac=-0.1), dict(warmup_frac=0.5, cooldown_frac=0.5),
+                dict(tbt_s=0.0), dict(tbt_q=0)):
+        with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+            SLO("bad", 30.0, 99, None, 99, "t", **bad)
+    with pytest.raises(ValueError, match="ttft_q"):
+        SLO("bad", 30.0, 101, None, 99, "t")
+
+
+def test_the_guard_judges_the_window_and_tbt_only_when_certain():
+    """A windowed SLO with a TBT bound: the guarded run passes exactly when the full one does, and
+    stops only runs that fail; a TBT bound alone can stop a run (once its closed buckets hold enough
+    slow gaps). A windowed SLO needs the replay's rate scale."""
+    from kimilab.config import kimi_linear_48b
+    from kimilab.fleet import run_fleet
+    from kimilab.fleet.goodput import SLO, SloGuard, meets
+
+    reqs = _chain_trace(80, gap_ms=5)
+    steady = SLO("t", 0.4, 90, None, 90, "test", tbt_s=0.05, tbt_q=90, warmup_frac=0.1, cooldown_frac=0.2)
+    with pytest.raises(ValueError, match="rate_scale"):
+        SloGuard(steady, reqs)
+    tbt_only = SLO("tbt", 1e6, 99, None, 99, "test", tbt_s=1e-4)  # every gap misses
+    stopped = 0
+    for slo in (steady, tbt_only):
+        for scale in (0.05, 0.3, 1.0, 8.0):
+            kw = dict(deployment=ONE_H200, instances=2, router="least-work", capacity_tokens=None,
+                      rate_scale=scale, bucket_s=0.02)
+            full = run_fleet(reqs, kimi_linear_48b, **kw)
+            guarded = run_fleet(reqs, kimi_linear_48b, guard=SloGuard(slo, reqs, rate_scale=scale), **kw)
+            assert meets(guarded, slo) == meets(full, slo)
+            assert not guarded.aborted or not meets(full, slo)
+            stopped += guarded.aborted and slo is tbt_only
+    assert stopped >= 1
+
+
+def test_replay_convergence_rows():
+    from kimilab.config import kimi_linear_48b
+    from kimilab.fleet import run_fleet
+    from kimilab.fleet.goodput import MOONCAKE_SLO, replay_convergence, slo_ratio
+
+    rows = replay_convergence(lambda n: 5.0 + 10.0 / n, [10, 100, 1000, 10_000], MOONCAKE_SLO)
+    assert [r["n"] for r in rows] == [10, 100, 1000, 10_000]
+    assert [r["settled"] for r in rows] == [False, True, True, True]
+    assert rows[0]["change"] is None and rows[1]["change"] == pytest.approx(5.1 / 6.0 - 1)
+    reqs = _chain_trace(60, gap_ms=20)
+
+    def run(n):
+        return run_fleet(reqs[:n], kimi_linear_48b, deployment=ONE_H200, instances=1, router="least-work",
+                         capacity_tokens=None)
+
+    rows = replay_convergence(run, [20, 60], MOONCAKE_SLO, rel_tol=10.0)
+    assert all("meets" in r and r["settled"] for r in rows)
+    assert rows[-1]["value"] == pytest.approx(slo_ratio(run(60), MOONCAKE_SLO))
+    for bad in ([], [10, 10], [0, 5]):
+        with pytest.raises(ValueError, match="lengths"):
+            replay_convergence(run, bad, MOONCAKE_SLO)

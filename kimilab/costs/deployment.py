@@ -117,9 +117,8 @@ class Deployment:
     Their defaults: vLLM's ``EngineArgs._set_default_args`` (vllm/engine/arg_utils.py @99d7eb5, V1) gives
     ``vllm serve`` 8,192 tokens and 1,024 sequences on GPUs of 70 GiB or more other than A100
     (H100, H200), and 2,048 and 256 elsewhere (``SchedulerConfig`` alone falls back to 128).
-    ``max_batched_tokens`` follows the H100/H200 value. ``max_num_seqs`` keeps 256, the smaller
-    GPUs' value and this engine's batch cap before the field existed, so no earlier number moves;
-    a tuned comparison searches both (:func:`kimilab.experiment.tuning.tune`).
+    Both follow the H100/H200 values, what a user of the recipe's deployments gets; a tuned
+    comparison searches both (:func:`kimilab.experiment.tuning.tune`).
     """
 
     name: str
@@ -134,7 +133,7 @@ class Deployment:
     memory_utilization: float = 0.9
     activation_reserve_bytes: float = 4e9
     max_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024
     act_bytes: int = 2
     source: str = ""
 

@@ -39,6 +39,7 @@ from kimilab.costs import Deployment, StepTimer
 from kimilab.engine.clock import DecodeClock
 from kimilab.engine.dp import DpDeviceTimer
 from kimilab.engine.fairness import FairQueue, FifoQueue
+from kimilab.engine.gaps import GapLog
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
 from kimilab.prefix.policies import Placement
@@ -55,14 +56,23 @@ def prompt_of(req) -> dict:
 
 
 class Engine(DecodeClock):
-    """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``."""
+    """One serving instance. ``submit`` requests, ``advance(t)`` its clock, read ``finished``.
+
+    ``token_budget`` (tokens a step may carry) and ``max_batch`` (requests running at once) are the
+    deployment's ``max_batched_tokens`` and ``max_num_seqs`` unless given. ``gaps`` records every
+    output token's time since the request's previous token (:class:`~kimilab.engine.gaps.GapLog`)."""
 
     def __init__(self, config: ModelConfig, *, deployment: Deployment, capacity_tokens: int | None,
-                 block_size: int = 512, token_budget: int = 8192, max_batch: int = 256, policy: str | None = None,
+                 block_size: int = 512, token_budget: int | None = None, max_batch: int | None = None,
+                 policy: str | None = None,
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
                  dp_device: bool = False):
         self.config, self.block = config, check_int("block_size", block_size, 1)
+        if token_budget is None:
+            token_budget = deployment.max_batched_tokens
+        if max_batch is None:
+            max_batch = deployment.max_num_seqs
         self.budget = check_int("token_budget", token_budget, 1, unit="tokens per step")
         self.max_batch = check_int("max_batch", max_batch, 1)
         if policy is None:  # a transformer reuses every cached token: its states are free
@@ -90,6 +100,7 @@ class Engine(DecodeClock):
         self.alive = True
         self.busy: dict[int, float] = {}  # time bucket -> busy seconds
         self.steps: list | None = [] if keep_steps else None  # (start_s, dt_s, k, n_decode, prefill_tokens)
+        self.gaps = GapLog(bucket_s)  # time between tokens, token by token (bounded memory)
         self.n_steps = self.preemptions = 0
         self._blocked = False  # the queue head did not fit; retry after memory is freed
         self._seq = 0
@@ -223,6 +234,8 @@ class Engine(DecodeClock):
     def _preempt_newest(self) -> Live:
         victim = self.running.pop()
         self._leave(victim)
+        if victim.done >= victim.ctx:  # decoding: its last token came out when the last step ended (now)
+            victim.last_token_s = self.clock
         self._backlog += victim.req.input_length + victim.generated - (victim.ctx - victim.done)
         if self.executor is not None:
             self.executor.drop(victim)
@@ -262,6 +275,8 @@ class Engine(DecodeClock):
         w, busy = self.bucket_s, self.busy
         while dt > 0:
             b = int(start // w)
+            if (b + 1) * w <= start:  # floor division rounded an edge down (0.06 // 0.02 == 2.0)
+                b += 1
             part = min(dt, (b + 1) * w - start)
             busy[b] = busy.get(b, 0.0) + part
             start += part
@@ -338,6 +353,8 @@ class Engine(DecodeClock):
         self.n_steps += k
         if self.steps is not None:
             self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
+        if n_dec:  # steps run back to back while anything decodes: each decoder's gap is the step
+            self.gaps.add_run(start, dt, k, n_dec)
         self._G = G = G + k
         if self._fair:  # each decoder was served k tokens
             for tenant, n in self._dec_tenants.items():
@@ -350,9 +367,7 @@ class Engine(DecodeClock):
             l.marked = l.cache.mark_computed(l.path, l.done, l.marked)  # others may start from here now
             if l.done >= l.ctx:
                 if l.generated < l.req.output_length:  # the prefill's last logits: one token
-                    l.generated += 1
-                    if l.first_token_s is None:
-                        l.first_token_s = self.clock
+                    self._token_after_prefill(l)
                 if l.generated >= l.req.output_length:
                     done.append(l)
                 else:
@@ -365,6 +380,16 @@ class Engine(DecodeClock):
                 l.first_token_s = self.clock
             self._finish(l)
         return True
+
+    def _token_after_prefill(self, live: Live) -> None:
+        """A (re-)prefill's last logits give ``live`` a token now: its first, or, after a preemption or a
+        failure, one whose gap since the last streamed token is recorded."""
+        live.generated += 1
+        if live.first_token_s is None:
+            live.first_token_s = self.clock
+        else:
+            self.gaps.add(self.clock, self.clock - live.last_token_s)
+        live.last_token_s = self.clock
 
     def advance(self, until: float, *, stop_on_finish: bool = False) -> None:
         """Run steps that start before ``until`` (the last may end after it); idle time is skipped.
@@ -386,6 +411,8 @@ class Engine(DecodeClock):
         """The instance dies: its pool, cache and running requests are lost; returns them to re-route."""
         for live in self.running:
             self._leave(live)
+            if live.done >= live.ctx:  # decoding: its last token came out when the last step ended
+                live.last_token_s = self.clock
         lost = self.running + self.queue.clear()
         self.running = []
         self._queued_blocks = self._backlog = 0

@@ -28,6 +28,7 @@ class Live:
     seq: int = 0
     admissions: int = 0
     first_token_s: float | None = None
+    last_token_s: float = 0.0  # when its latest token came out (kept current when it stops decoding)
     first_hit: int = -1  # usable hit at the first admission
     first_kv_hit: int = 0
     served: int = 0  # sum over admissions of hits

@@ -86,15 +86,15 @@ class ReferenceEngine(Engine):
         self.n_steps += k
         if self.steps is not None:
             self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
+        if n_dec:
+            self.gaps.add_run(start, dt, k, n_dec)
         for l in decoders:
             l.generated += k
         for l, c in chunks:
             l.done += c
             l.marked = l.cache.mark_computed(l.path, l.done, l.marked)
             if l.done >= l.ctx and l.generated < l.req.output_length:
-                l.generated += 1
-                if l.first_token_s is None:
-                    l.first_token_s = self.clock
+                self._token_after_prefill(l)
         for l in decoders:
             self.queue.charge(l.req.tenant, output_tokens=k)
         for l in [l for l in running if l.done >= l.ctx and l.generated >= l.req.output_length]:

@@ -111,7 +111,7 @@ def run(args) -> int:
               f"DP-attention)")
         result = run_part_b(args.out, deployment=args.deployment, n_requests=args.requests, instances=args.instances,
                             agent_instances=args.agent_instances, agent_duration_s=60.0 * args.agent_minutes,
-                            seeds=args.seeds, price_per_hour=args.price, workers=args.workers)
+                            orders=args.orders, price_per_hour=args.price, workers=args.workers)
         print(part_b_table(result))
         print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'} "
               f"({result['run_wall_s']:.0f} s wall)")
@@ -136,8 +136,9 @@ def add_arguments(parser) -> None:
                         help="part B: instances serving the agent sessions")
     parser.add_argument("--agent-minutes", type=positive_int_arg, default=15,
                         help="part B: simulated minutes of each closed-loop agent replay")
-    parser.add_argument("--seeds", type=positive_int_arg, default=3,
-                        help="part B: session orders each agent load is replayed with (pooled)")
+    parser.add_argument("--orders", "--seeds", dest="orders", type=positive_int_arg, default=5,
+                        help="part B: orders each goodput is measured in (agents: the sessions' order; chat: the "
+                             "gaps between arrivals, shuffled), reported as mean, min and max")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,

@@ -6,13 +6,21 @@ deployment's step times and each device's real HBM as the pool:
 
 * **conversation** (the real Mooncake trace, open loop at its own timestamps divided by a
   rate scale): the highest scale ``instances`` instances serve within
-  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (TTFT p99 <= 30 s, TPOT p99 <= 100 ms),
-  as requests/s per instance, and dollars per million output tokens for the fleet at
-  that load;
+  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (its TTFT and time-per-token limits), as
+  requests/s per instance, and dollars per million output tokens for the fleet at that load;
 * **agents** (the real Claude Code sessions, closed loop: each request a recorded think
   time after the reply it waited for): the most concurrent sessions ``agent_instances``
   instances serve within :data:`~kimilab.fleet.goodput.AGENT_SLO` (TTFT p95 <= 2 s), per
   instance, and dollars per million output tokens.
+
+Each number is measured in ``orders`` orders of the same traffic and reported as its mean,
+min and max over them (:class:`Spread`). What changes between orders: for the agents, the
+order in which the slots take the sessions (``run_closed_loop``'s seed); for the
+conversation, the gaps between consecutive arrivals (:func:`arrival_order`; order 0 is the
+trace's own timestamps). In each order the load is found by
+:func:`~kimilab.fleet.goodput.scan_capacity` (scan a grid, then confirm), which does not
+assume that pass/fail is monotone in the load. :func:`compare` calls a gap no larger than
+the spread a tie.
 
 Each variant's row carries its ratio to the strong baseline (``ends`` + ``prefix-affinity``).
 Everything is deterministic except the wall-clock fields, whose names end in ``_wall_s``.
@@ -27,22 +35,26 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 from kimilab import costs
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import Fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
-from kimilab.fleet.goodput import (AGENT_SLO, MOONCAKE_SLO, SloGuard, max_rate_scale, max_sessions, priced,
-                                   window)
+from kimilab.fleet.goodput import (AGENT_SLO, MOONCAKE_SLO, SloGuard, priced, rate_grid, scan_capacity,
+                                   session_grid, window)
 from kimilab.traffic import CLAUDE_CODE, MOONCAKE_CONVERSATION, load_sessions, load_trace
 from kimilab.validate import check_float, check_int
 
-__all__ = ["TRACE_PATH", "SESSIONS_PATH", "no_reuse", "cost_per_m_output", "conversation_goodput",
-           "agent_capacity", "run_part_b", "VARIANTS", "VARIANT_NAMES", "Variant"]
+__all__ = ["TRACE_PATH", "SESSIONS_PATH", "ORDERS", "no_reuse", "arrival_order", "cost_per_m_output", "Spread",
+           "compare", "conversation_goodput", "agent_capacity", "variant_rows", "run_part_b", "VARIANTS",
+           "VARIANT_NAMES", "Variant"]
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 TRACE_PATH = DATA / MOONCAKE_CONVERSATION
 SESSIONS_PATH = DATA / CLAUDE_CODE
 BLOCK = 512  # the traces' block size (tokens per hash id)
+ORDERS = 5  # orders each number is measured over, by default
 
 
 def no_reuse(requests) -> list:
@@ -67,9 +79,58 @@ def _no_reuse_turns(sessions) -> list:
     return out
 
 
+def arrival_order(requests, order: int) -> list:
+    """The requests in arrival order ``order``: 0 keeps the trace's timestamps; k > 0 shuffles the gaps
+    between consecutive arrivals (seed k), so the same requests come in the same sequence over the same
+    span at the same mean rate, bunched differently."""
+    order = check_int("order", order, 0)
+    if order == 0 or len(requests) < 3:
+        return list(requests)
+    t = np.array([r.arrival_ms for r in requests], dtype=np.int64)
+    gaps = np.random.default_rng(order).permutation(np.diff(t))
+    new = t[0] + np.concatenate([[0], np.cumsum(gaps)])
+    return [dataclasses.replace(r, arrival_ms=int(a)) for r, a in zip(requests, new)]
+
+
 def cost_per_m_output(accelerator_seconds: float, price_per_hour: float, output_tokens: int) -> float:
     """Dollars per million output tokens: accelerator-hours x price / output tokens x 1e6."""
     return accelerator_seconds / 3600.0 * price_per_hour / max(int(output_tokens), 1) * 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """One number measured over several orders: its ``mean``, ``min`` and ``max``. Its *spread* is half
+    the min-max range, so the reading is mean +- spread."""
+
+    mean: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values) -> "Spread":
+        values = [float(v) for v in values]
+        if not values:
+            raise ValueError("values: expected at least one")
+        return cls(float(np.mean(values)), min(values), max(values))
+
+    @classmethod
+    def from_row(cls, row: dict, key: str = "goodput") -> "Spread":
+        """A row's ``key``, ``key_min`` and ``key_max`` (a row of :func:`agent_capacity` and the like)."""
+        return cls(row[key], row.get(f"{key}_min", row[key]), row.get(f"{key}_max", row[key]))
+
+    @property
+    def spread(self) -> float:
+        return (self.max - self.min) / 2.0
+
+
+def compare(a, b, key: str = "goodput") -> str:
+    """``"higher"`` or ``"lower"`` (a against b), or ``"tie"`` when the gap between the means is no larger
+    than the larger of the two spreads (half a min-max range over orders). ``a`` and ``b``: :class:`Spread`
+    or rows holding ``key``, ``key_min``, ``key_max``."""
+    a, b = (x if isinstance(x, Spread) else Spread.from_row(x, key) for x in (a, b))
+    if abs(a.mean - b.mean) <= max(a.spread, b.spread):
+        return "tie"
+    return "higher" if a.mean > b.mean else "lower"
 
 
 @lru_cache(maxsize=4)
@@ -91,90 +152,121 @@ def _setup(v: Variant, deployment: str | None = None):
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
 
-def _base_row(v: Variant, workload: str) -> dict:
+def _base_row(v: Variant, workload: str, dep, instances: int) -> dict:
     return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
-            "router": v.router, "deployment": v.deployment}
+            "router": v.router, "deployment": dep.name, "instances": instances}
 
 
-def _knee(row: dict, result, slo) -> dict:
-    got = window(result, slo)
-    row.update({"ttft_limit_pct_s": round(got["ttft_s"], 6), "ttft_p50_s": round(got["ttft_p50_s"], 6),
-                "tpot_p50_s": round(got["tpot_p50_s"], 6),
-                "tpot_limit_pct_s": None if got["tpot_s"] is None else round(got["tpot_s"], 6)})
+def _order(k: int, scan, load_key: str, goodput: float, priced_: dict | None, extra: dict) -> dict:
+    """One order's record: its load and goodput, its price, and what the scan saw."""
+    out = {"order": k, load_key: round(float(scan.capacity), 6), "goodput": round(goodput, 6)}
+    if priced_ is not None:
+        out.update({key: round(float(priced_[key]), 6) for key in
+                    ("output_tokens_per_s_per_instance", "usd_per_m_output", "busy_fraction")})
+    out.update({key: round(float(x), 6) for key, x in extra.items()})
+    out.update({"non_monotone": [round(float(x), 6) for x in scan.non_monotone],
+                "lowest_fail": None if scan.lowest_fail is None else round(float(scan.lowest_fail), 6),
+                "at_ceiling": scan.at_ceiling, "tried": [[round(float(x), 6), ok] for x, ok in scan.tried]})
+    return out
+
+
+def _summary(row: dict, per: list[dict], results: list, slo, t0: float) -> dict:
+    """``row`` with the orders' records ``per``: each number's mean over the orders that have it (goodput
+    and $/M also their min and max), the SLO's percentiles over every order's run at its load pooled."""
+    skip = ("order", "non_monotone", "lowest_fail", "at_ceiling", "tried")
+    numeric = dict.fromkeys(k for r in per for k, x in r.items() if k not in skip and not isinstance(x, bool))
+    for key in numeric:
+        got = [r[key] for r in per if r.get(key) is not None]
+        if got:
+            s = Spread.of(got)
+            row[key] = round(s.mean, 6)
+            if key in ("goodput", "usd_per_m_output"):
+                row.update({f"{key}_min": round(s.min, 6), f"{key}_max": round(s.max, 6),
+                            f"{key}_spread": round(s.spread, 6)})
+    row.update({"orders": per, "non_monotone_orders": sum(bool(r["non_monotone"]) for r in per),
+                "tried": [pair for r in per for pair in r["tried"]]})
+    if results:
+        got = window(results, slo)  # every order passed at its load; their tails pooled
+        pick = {"ttft_limit_pct_s": "ttft_s", "ttft_p50_s": "ttft_p50_s", "tpot_limit_pct_s": "tpot_s",
+                "tpot_p50_s": "tpot_p50_s", "tbt_limit_pct_s": "tbt_s", "tbt_p50_s": "tbt_p50_s"}
+        row.update({k: None if got.get(g) is None else round(got[g], 6) for k, g in pick.items() if g in got})
+    row["run_wall_s"] = round(time.perf_counter() - t0, 3)
     return row
 
 
 def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8,
                          price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
-                         trace: Path | str | None = None, slo=MOONCAKE_SLO,
-                         deployment: str | None = None) -> dict:
-    """The highest rate scale ``instances`` instances serve the trace at within ``slo``, and its price."""
+                         trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
+                         orders: int = ORDERS, confirm: int = 2) -> dict:
+    """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
+    apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max."""
     cfg, dep, policy, cap = _setup(v, deployment)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
-    t0 = time.perf_counter()
+    if len(reqs) < 2 or reqs[-1].arrival_ms <= reqs[0].arrival_ms:
+        raise ValueError("trace: expected arrivals spanning a positive time (a rate needs a duration)")
+    t0, per, results = time.perf_counter(), [], []
+    for k in range(check_int("orders", orders, 1)):
+        timed = arrival_order(reqs, k)
 
-    def run(scale):
-        return run_fleet(reqs, cfg, deployment=dep, instances=instances, router=v.router,
-                         capacity_tokens=cap, rate_scale=scale, policy=policy, block_size=BLOCK,
-                         guard=SloGuard(slo, reqs))
+        def run(scale, timed=timed):
+            return run_fleet(timed, cfg, deployment=dep, instances=instances, router=v.router, capacity_tokens=cap,
+                             rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, timed))
 
-    scale, res, tried = max_rate_scale(run, slo, start=start, rel_tol=rel_tol)
-    row = _base_row(v, "conversation")
-    row["deployment"] = dep.name
-    row.update({"instances": instances, "max_rate_scale": round(scale, 6),
-                "tried": [[round(s, 6), ok] for s, ok in tried]})
-    if res is None:
-        row["goodput"] = 0.0
-        return row
-    span = (reqs[-1].arrival_ms - reqs[0].arrival_ms) / 1000.0 / scale
-    p = priced(res, span_s=span, price_per_hour=price_per_hour)
-    row.update({"requests_per_s": round(len(reqs) / span, 6),
-                "goodput": round(p["requests_per_s_per_instance"], 6),
-                "output_tokens_per_s_per_instance": round(p["output_tokens_per_s_per_instance"], 6),
-                "usd_per_m_output": round(p["usd_per_m_output"], 6),
-                "busy_fraction": round(p["busy_fraction"], 6),
-                "usable_hit_rate": round(res.usable_hit_rate(), 6),
-                "kv_hit_rate": round(float(res.kv_hit.sum() / res.input_tokens.sum()), 6),
-                "preemptions": res.preemptions, "run_wall_s": round(time.perf_counter() - t0, 3)})
-    return _knee(row, res, slo)
+        scan = scan_capacity(run, slo, rate_grid(start, rel_tol), start=start, confirm=confirm)
+        res, extra, p = scan.result, {}, None
+        if res is not None:
+            results.append(res)
+            span = (timed[-1].arrival_ms - timed[0].arrival_ms) / 1000.0 / scan.capacity
+            p = priced(res, span_s=span, price_per_hour=price_per_hour)
+            extra = {"requests_per_s": len(reqs) / span, "usable_hit_rate": res.usable_hit_rate(),
+                     "kv_hit_rate": float(res.kv_hit.sum() / res.input_tokens.sum()), "preemptions": res.preemptions}
+        per.append(_order(k, scan, "max_rate_scale", p["requests_per_s_per_instance"] if p else 0.0, p, extra))
+    return _summary(_base_row(v, "conversation", dep, instances), per, results, slo, t0)
 
 
-def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, seeds: int = 3,
+def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, orders: int = ORDERS,
                    price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
-                   sessions_path: Path | str | None = None, deployment: str | None = None) -> dict:
-    """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop, each
-    load replayed with ``seeds`` session orders and judged on their requests pooled)."""
+                   sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
+                   part: tuple[int, int] | None = None) -> dict:
+    """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
+    ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
+    slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
+    i % m == r (the shipped file's two halves: (0, 2) and (1, 2))."""
     cfg, dep, policy, cap = _setup(v, deployment)
+    duration_s = check_float("duration_s", duration_s, minimum=0.0)
+    if duration_s <= slo.warmup_s:
+        raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
+                         "(no request after it would be judged)")
     sessions = [list(s) for s in _sessions(str(sessions_path or SESSIONS_PATH))]
+    if part is not None:
+        r, m = part
+        if check_int("part[1]", m, 1) <= check_int("part[0]", r, 0):
+            raise ValueError(f"part={part!r}: expected (r, m) with 0 <= r < m")
+        sessions = sessions[r::m]
     if v.policy == "none":
         sessions = _no_reuse_turns(sessions)
-    t0 = time.perf_counter()
-
-    def run(n):
-        out = []
-        for seed in range(seeds):
+    t0, per, results = time.perf_counter(), [], []
+    for k in range(check_int("orders", orders, 1)):
+        def run(n, k=k):
             fleet = Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
                           block_size=BLOCK)
-            out.append(run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=seed))
-        return out
+            return run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=k)
 
-    n, res, tried = max_sessions(run, slo, start=start, rel_tol=rel_tol)
-    row = _base_row(v, "agents")
-    row["deployment"] = dep.name
-    row.update({"instances": instances, "max_sessions": n, "tried": [[k, ok] for k, ok in tried],
-                "goodput": round(n / instances, 6)})
-    if res is None:
-        return row
-    p = priced(res, span_s=duration_s, price_per_hour=price_per_hour)
-    hit = sum(float(r.usable_hit.sum()) for r in res) / sum(float(r.input_tokens.sum()) for r in res)
-    row.update({"requests_per_s_per_instance": round(p["requests_per_s_per_instance"], 6),
-                "output_tokens_per_s_per_instance": round(p["output_tokens_per_s_per_instance"], 6),
-                "usd_per_m_output": round(p["usd_per_m_output"], 6), "busy_fraction": round(p["busy_fraction"], 6),
-                "usable_hit_rate": round(hit, 6), "preemptions": sum(r.preemptions for r in res),
-                "run_wall_s": round(time.perf_counter() - t0, 3)})
-    return _knee(row, res, slo)
+        scan = scan_capacity(run, slo, session_grid(start, rel_tol), start=start, confirm=confirm)
+        res, extra, p = scan.result, {}, None
+        if res is not None:
+            results.append(res)
+            p = priced(res, span_s=duration_s, price_per_hour=price_per_hour)
+            extra = {"requests_per_s_per_instance": p["requests_per_s_per_instance"],
+                     "usable_hit_rate": float(res.usable_hit.sum() / res.input_tokens.sum()),
+                     "preemptions": res.preemptions}
+        per.append(_order(k, scan, "max_sessions", scan.capacity / instances, p, extra))
+    row = _base_row(v, "agents", dep, instances)
+    if part is not None:
+        row["part"] = list(part)
+    return _summary(row, per, results, slo, t0)
 
 
 def _job(job: tuple) -> dict:
@@ -183,45 +275,29 @@ def _job(job: tuple) -> dict:
     return fn(variant(name), **kwargs)
 
 
-def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, instances: int = 8,
-               agent_instances: int = 4, agent_duration_s: float = 900.0, seeds: int = 3, price_per_hour: float = 2.0,
-               rel_tol: float = 0.05, variants=None, workloads=("conversation", "agents"),
-               workers: int | None = None, deployment: str | None = None, start_scale: float = 8.0) -> dict:
-    """Every variant's goodput on both workloads (jobs spread over ``workers`` processes; the numbers do
-    not depend on how many); writes ``out/part_b.json`` and ``.md`` if ``out`` is given."""
-    variants = VARIANT_NAMES if variants is None else tuple(variants)
-    instances = check_int("instances", instances, 1)
-    agent_instances = check_int("agent_instances", agent_instances, 1)
-    price_per_hour = check_float("price_per_hour", price_per_hour, minimum=0.0)
+def variant_rows(variants, kw: dict, *, workers: int | None = None) -> list[dict]:
+    """Every variant's row on every workload of ``kw`` (workload -> the keyword arguments of
+    :func:`conversation_goodput` or :func:`agent_capacity`), jobs spread over ``workers`` processes
+    (the numbers do not depend on how many), each row with its ratio and :func:`compare` label
+    (``vs_baseline``) against the baseline's row of the same workload."""
+    variants = tuple(variants)
     unknown = [v for v in variants if v not in VARIANT_NAMES]
     if unknown or not variants:
         raise ValueError(f"variants={list(variants)!r}: expected a non-empty subset of {list(VARIANT_NAMES)}")
     if BASELINE not in variants:
         raise ValueError(f"variants: must include the baseline {BASELINE!r} (every ratio is to it)")
-    if not TRACE_PATH.is_file():
-        raise FileNotFoundError(f"trace={str(TRACE_PATH)!r}: no such file (the real trace ships in data/)")
-    if deployment is not None:
-        costs.deployment(deployment)  # a bad name is a ValueError naming the argument
-    if not set(workloads) <= {"conversation", "agents"} or not workloads:
-        raise ValueError(f"workloads={list(workloads)!r}: expected a non-empty subset of ['conversation', 'agents']")
-    kw = {"conversation": {"n_requests": n_requests, "instances": instances, "price_per_hour": price_per_hour,
-                           "rel_tol": rel_tol, "deployment": deployment, "start": start_scale},
-          "agents": {"instances": agent_instances, "duration_s": agent_duration_s, "seeds": seeds,
-                     "price_per_hour": price_per_hour, "rel_tol": rel_tol, "start": 16 * agent_instances,
-                     "deployment": deployment}}
     # On one tensor-parallel instance every router sends every request to it: run one router per
     # (model, policy, deployment) and copy its row to the others (they would be identical).
-    single = {"conversation": instances == 1, "agents": agent_instances == 1}
+    single = {w: k.get("instances", 1) == 1 for w, k in kw.items()}
     jobs, same = [], {}
     for name in variants:
         v = variant(name)
-        for w in workloads:
+        for w in kw:
             key = (w, v.model, v.policy, v.deployment)
             if single[w] and v.deployment == costs.DEFAULT_DEPLOYMENT.name and key in same:
                 continue
             same.setdefault(key, name)
             jobs.append((w, name, kw[w]))
-    t0 = time.perf_counter()
     workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
     if workers <= 1:
         done = [_job(j) for j in jobs]
@@ -232,27 +308,71 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
     rows = []
     for name in variants:
         v = variant(name)
-        for w in workloads:
+        for w in kw:
             row = by.get((w, name))
             if row is None:  # a router that cannot differ on one instance
                 first = by[(w, same[(w, v.model, v.policy, v.deployment)])]
                 row = dict(first, variant=name, router=v.router, same_as=first["variant"])
             rows.append(row)
-    for w in workloads:
+    for w in kw:
         base = next(r for r in rows if r["workload"] == w and r["variant"] == BASELINE)
         for r in rows:
             if r["workload"] == w:
-                r["goodput_ratio"] = round(r["goodput"] / base["goodput"], 6) if base["goodput"] else None
-                if r.get("usd_per_m_output") and base.get("usd_per_m_output"):
-                    r["cost_ratio"] = round(r["usd_per_m_output"] / base["usd_per_m_output"], 6)
+                _ratios(r, base)
+    return rows
+
+
+def _ratios(r: dict, base: dict) -> None:
+    """``r``'s ratios to ``base``: the means' ratio, its min and max over the orders (order k against
+    the baseline's order k), $/M's ratio, and the :func:`compare` label."""
+    r["goodput_ratio"] = round(r["goodput"] / base["goodput"], 6) if base["goodput"] else None
+    paired = [a["goodput"] / b["goodput"] for a, b in zip(r["orders"], base["orders"]) if b["goodput"]]
+    if r["goodput_ratio"] is not None and paired:
+        r["goodput_ratio_min"], r["goodput_ratio_max"] = round(min(paired), 6), round(max(paired), 6)
+    if r.get("usd_per_m_output") and base.get("usd_per_m_output"):
+        r["cost_ratio"] = round(r["usd_per_m_output"] / base["usd_per_m_output"], 6)
+    r["vs_baseline"] = "baseline" if r["variant"] == BASELINE else compare(r, base)
+
+
+def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, instances: int = 8,
+               agent_instances: int = 4, agent_duration_s: float = 900.0, orders: int = ORDERS,
+               seeds: int | None = None, price_per_hour: float = 2.0, rel_tol: float = 0.1, variants=None,
+               workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
+               start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
+               sessions: Path | str | None = None) -> dict:
+    """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
+    load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
+    ``sessions`` replace the shipped files."""
+    variants = VARIANT_NAMES if variants is None else tuple(variants)
+    orders = check_int("orders", orders if seeds is None else seeds, 1)
+    instances = check_int("instances", instances, 1)
+    agent_instances = check_int("agent_instances", agent_instances, 1)
+    price_per_hour = check_float("price_per_hour", price_per_hour, minimum=0.0)
+    if not set(workloads) <= {"conversation", "agents"} or not workloads:
+        raise ValueError(f"workloads={list(workloads)!r}: expected a non-empty subset of ['conversation', 'agents']")
+    trace, sessions = Path(trace or TRACE_PATH), Path(sessions or SESSIONS_PATH)
+    for name, path, w in (("trace", trace, "conversation"), ("sessions", sessions, "agents")):
+        if w in workloads and not path.is_file():
+            raise FileNotFoundError(f"{name}={str(path)!r}: no such file")
+    if deployment is not None:
+        costs.deployment(deployment)  # a bad name is a ValueError naming the argument
+    kw = {"conversation": {"n_requests": n_requests, "instances": instances, "price_per_hour": price_per_hour,
+                           "rel_tol": rel_tol, "deployment": deployment, "start": start_scale, "orders": orders,
+                           "confirm": confirm, "trace": str(trace)},
+          "agents": {"instances": agent_instances, "duration_s": agent_duration_s, "orders": orders,
+                     "price_per_hour": price_per_hour, "rel_tol": rel_tol, "start": 16 * agent_instances,
+                     "deployment": deployment, "confirm": confirm, "sessions_path": str(sessions)}}
+    t0 = time.perf_counter()
+    rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers)
     from kimilab.experiment.results import _version
     from kimilab.experiment.tables import assumptions
 
+    n_req = len(_trace(str(trace), n_requests)) if "conversation" in workloads else None
     result = {"experiment": "part B: goodput and dollars at the SLO, per variant, on real chat and agent traffic "
                             "(fleet simulator, simulated time)",
-              "config": assumptions(n_requests=len(_trace(str(TRACE_PATH), n_requests)), instances=instances,
-                                    agent_instances=agent_instances, agent_duration_s=agent_duration_s, seeds=seeds,
-                                    price_per_hour=price_per_hour, rel_tol=rel_tol,
+              "config": assumptions(n_requests=n_req, instances=instances, agent_instances=agent_instances,
+                                    agent_duration_s=agent_duration_s, seeds=orders, price_per_hour=price_per_hour,
+                                    rel_tol=rel_tol,
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}

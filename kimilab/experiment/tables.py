@@ -22,18 +22,21 @@ def assumptions(*, n_requests: int, instances: int, agent_instances: int, agent_
         "accelerators_per_instance": dep.n_devices, "hbm_gb_per_accelerator": dev.hbm_bytes / 1e9,
         "pool_tokens_per_instance": pools, "block_tokens": 512,
         "conversation": {"trace": "mooncake_conversation.jsonl", "requests": n_requests, "instances": instances,
-                         "arrivals": "the trace's timestamps divided by the rate scale",
+                         "arrivals": "the trace's timestamps divided by the rate scale; in order k > 0 the gaps "
+                                     "between consecutive arrivals shuffled (seed k)", "orders": seeds,
                          "slo": MOONCAKE_SLO.describe(), "slo_source": MOONCAKE_SLO.source},
         "agents": {"sessions": "claude_code_sessions.jsonl.gz (80 real Claude Code sessions)",
                    "instances": agent_instances, "window_s": agent_duration_s, "seeds": seeds,
                    "arrivals": "closed loop: each request a recorded think time (capped at 60 s) after the reply "
                                "it waited for; a finished session's slot starts the next one",
-                   "slo": AGENT_SLO.describe() + f" (requests arriving after {AGENT_SLO.warmup_s:g} s)",
+                   "slo": AGENT_SLO.describe(),  # its warm-up included
                    "slo_source": AGENT_SLO.source},
         "search_rel_tol": rel_tol, "price_usd_per_accelerator_hour": price_per_hour,
         "notes": ["latencies are simulated seconds from the calibrated step model (chapter 3), not measurements",
-                  "goodput: the highest load within the SLO (bisection; an overloaded replay stops once the SLO "
-                  "is certainly missed)",
+                  "goodput: in each order, the highest load within the SLO on a grid search_rel_tol apart, "
+                  "scanned upward until two loads in a row miss (pass/fail need not be monotone in the load; an "
+                  "overloaded replay stops once the SLO is certainly missed); the table shows the mean over the "
+                  "orders, the rows of part_b.json also the min and max",
                   "cost: the fleet sized to that load, every accelerator rented for the load's duration; it scales "
                   "linearly with the price",
                   "DP-attention instances are simulated as one engine per device (kimilab.engine.dp: lock-step "

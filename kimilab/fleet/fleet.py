@@ -43,7 +43,9 @@ def shared_timer(config: ModelConfig, deployment: Deployment) -> StepTimer:
 
 class Fleet:
     """``n`` identical instances behind one router (under DP-attention, ``n`` x devices engines, one a
-    device: ``capacity_tokens`` is still per instance, split evenly over its devices)."""
+    device: ``capacity_tokens`` is still per instance, split evenly over its devices). Each engine's
+    step budget and batch cap are the deployment's (``max_batched_tokens``, ``max_num_seqs``) unless
+    ``engine_kw`` names ``token_budget`` or ``max_batch``."""
 
     def __init__(self, config: ModelConfig, n: int, router: str, *, deployment: Deployment,
                  capacity_tokens: int | None, isolation: str = "none", tenants: Sequence[str] = (),

@@ -1,10 +1,19 @@
-"""What a fleet run measured: per-request latencies and hits, per-instance busy time, and summaries."""
+"""What a fleet run measured: per-request latencies and hits, per-instance busy time, and summaries.
+
+Two per-token views of decode speed: ``tpot_s`` is each request's mean time per output token
+(one number a request), and :meth:`FleetResult.tbt_percentile` reads every gap between
+consecutive output tokens (Mooncake's TBT), from the instances' gap logs merged.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
+
+from kimilab.engine.gaps import GapHistogram, GapLog
 
 __all__ = ["FleetResult"]
 
@@ -12,6 +21,10 @@ __all__ = ["FleetResult"]
 def _pct(x: np.ndarray, q: float) -> float | None:
     """A percentile rounded to the microsecond; None (JSON null) when no request finished."""
     return round(float(np.percentile(x, q)), 6) if x.size else None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
 
 
 @dataclass
@@ -46,6 +59,7 @@ class FleetResult:
     devices: int = 0  # accelerators in the fleet (instances x devices each)
     n_deployed: int = 0  # instances as deployed (n_instances counts engines: one per device under DP-attention)
     aborted: bool = False  # stopped early: a guard found the outcome certain (kimilab.fleet.goodput)
+    tbt: GapLog = field(default=None, repr=False)  # every gap between output tokens, by time bucket
 
     @classmethod
     def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
@@ -65,11 +79,20 @@ class FleetResult:
                    sum(f.restarts for f in done), sum(len(e.refused) for e in fleet.instances),
                    fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
                    col(lambda f: f.request_id, int), len(fleet.instances) * fleet.devices_per_engine,
-                   fleet.n_deployed)
+                   fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances))
 
     @property
     def finished(self) -> int:
         return int(self.ttft_s.size)
+
+    def tbt_histogram(self, t0_s: float = -math.inf, t1_s: float = math.inf) -> GapHistogram:
+        """Gaps between output tokens that came out in [t0_s, t1_s) (to the instances' time bucket)."""
+        return GapHistogram() if self.tbt is None else self.tbt.histogram(t0_s, t1_s)
+
+    def tbt_percentile(self, q: float, t0_s: float = -math.inf, t1_s: float = math.inf) -> float | None:
+        """The ``q``-th percentile (0-100) of the time between tokens, every gap counted once (within
+        0.5% of numpy's on the raw gaps); None when no request made a second token."""
+        return self.tbt_histogram(t0_s, t1_s).percentile(q)
 
     def usable_hit_rate(self, mask=None) -> float:
         m = slice(None) if mask is None else mask
@@ -89,18 +112,23 @@ class FleetResult:
         return self.busy_s / self.bucket_s
 
     def window(self, width_s: float) -> dict:
-        """TTFT p99 and usable hit rate of the requests arriving in each ``width_s`` window."""
+        """TTFT p99 and usable hit rate of the requests arriving in each ``width_s`` window, and the TBT
+        p99 of the tokens that came out in it (to the instances' time bucket; NaN: no gap there)."""
         if not self.finished:
-            return {"t_s": np.zeros(0), "ttft_p99_s": np.zeros(0), "usable_hit_rate": np.zeros(0)}
+            return {"t_s": np.zeros(0), "ttft_p99_s": np.zeros(0), "usable_hit_rate": np.zeros(0),
+                    "tbt_p99_s": np.zeros(0)}
         idx = (self.arrival_s // width_s).astype(int)
-        ts, p99, hit = [], [], []
+        ts, p99, hit, tbt = [], [], [], []
         for b in range(idx.max() + 1):
             m = idx == b
             if m.any():
                 ts.append((b + 0.5) * width_s)
                 p99.append(float(np.percentile(self.ttft_s[m], 99)))
                 hit.append(self.usable_hit_rate(m))
-        return {"t_s": np.array(ts), "ttft_p99_s": np.array(p99), "usable_hit_rate": np.array(hit)}
+                got = self.tbt_percentile(99, b * width_s, (b + 1) * width_s)
+                tbt.append(math.nan if got is None else got)
+        return {"t_s": np.array(ts), "ttft_p99_s": np.array(p99), "usable_hit_rate": np.array(hit),
+                "tbt_p99_s": np.array(tbt)}
 
     def summary(self) -> dict:
         """The fleet CLI's JSON object (fixed key order)."""
@@ -110,6 +138,8 @@ class FleetResult:
         lat = self._latency(slice(None))
         del lat["requests"]
         out.update(lat)
+        tbt = self.tbt_histogram()
+        out.update({"tbt_p50_s": _round(tbt.percentile(50)), "tbt_p99_s": _round(tbt.percentile(99))})
         out.update({"prompt_tokens": int(self.input_tokens.sum()), "usable_hit_tokens": int(self.usable_hit.sum()),
                     "kv_hit_rate": round(float(self.kv_hit.sum() / max(self.input_tokens.sum(), 1)), 6),
                     "preemptions": self.preemptions, "restarts": self.restarts,

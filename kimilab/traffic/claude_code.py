@@ -114,15 +114,21 @@ def write_sessions(rows: list[SessionRequest], path) -> Path:
 
 
 def load_sessions(path) -> list[SessionRequest]:
-    """The converted sessions back, each line checked (one id per 512 tokens); errors name the line."""
+    """The converted sessions back, each line checked (one id per 512 tokens); errors name the line.
+    The file may be gzip-compressed (as :func:`write_sessions` writes it) or plain jsonl."""
     rows = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    with open(path, "rb") as raw:
+        packed = raw.read(2) == b"\x1f\x8b"  # gzip's magic number
+    with (gzip.open(path, "rt", encoding="utf-8") if packed else open(path, encoding="utf-8")) as f:
         for lineno, text in enumerate(f, start=1):
             try:
                 d = json.loads(text)
                 row = SessionRequest(int(d["session"]), int(d["agent"]), int(d["t_ms"]), int(d["api_ms"]),
                                      int(d["input_length"]), int(d["output_length"]), tuple(d["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as err:
+            except KeyError as err:
+                raise ValueError(f"{path}: line {lineno}: field {err} missing; expected session, agent, t_ms, "
+                                 "api_ms, input_length, output_length, hash_ids") from None
+            except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}: line {lineno}: {err}") from None
             if row.input_length < 1 or len(row.hash_ids) != -(-row.input_length // _COARSE):
                 raise ValueError(f"{path}: line {lineno}: expected input_length >= 1 and one id per 512 tokens")
