@@ -146,10 +146,14 @@ def test_capacity_command_prints_the_variant_table_as_json(tmp_path, capsys, dat
     assert none["goodput"] < base["goodput"] and none["vs_baseline"] == "lower"  # no reuse: far fewer sessions
     assert none["goodput_ratio"] == pytest.approx(none["goodput"] / base["goodput"], abs=1e-6)
     assert main(["capacity", "--trace", str(data_dir / "mooncake_conversation.jsonl"), "--requests", "40",
-                 "--orders", "1", "--variants", BASELINE, "--step", "1", "--workers", "1"]) == 0
+                 "--orders", "1", "--variants", "all-MLA bf16 TP4", "--step", "1", "--workers", "1", "--band"]) == 0
     chat = json.loads(capsys.readouterr().out)
-    assert chat["workloads"]["conversation"]["requests"] == 40
-    assert chat["rows"][0]["unit"] == "requests/s per instance" and chat["rows"][0]["goodput"] > 0
+    assert chat["workloads"]["conversation"]["requests"] == 40 and "corners" not in chat and "band" in chat
+    for r in chat["rows"]:  # the kernel band's corners bracket the central goodput, with a label
+        assert r["unit"] == "requests/s per instance" and r["goodput"] > 0
+        assert r["goodput_band"][0] <= r["goodput"] <= r["goodput_band"][1]
+        assert r["goodput_ratio_band"][0] <= r["goodput_ratio"] <= r["goodput_ratio_band"][1]
+        assert r["band_label"] == "holds across the band" or r["band_label"].startswith("flips at ")
 
 
 @pytest.mark.parametrize("argv, names", [

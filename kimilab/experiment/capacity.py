@@ -20,18 +20,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from kimilab import costs
 from kimilab.costs import DEFAULT_DEPLOYMENT
 from kimilab.experiment.scale import (BASELINE, ORDERS, SESSIONS_PATH, VARIANT_NAMES, Spread, _sessions, _trace,
                                       compare, variant_rows)
 from kimilab.fleet.goodput import AGENT_SLO, MOONCAKE_SLO
 from kimilab.validate import check_float, check_int
 
-__all__ = ["ROW_KEYS", "HALVES_VARIANTS", "measure_capacity", "two_halves", "add_arguments", "run"]
+__all__ = ["ROW_KEYS", "HALVES_VARIANTS", "band_corners", "measure_capacity", "two_halves", "add_arguments", "run"]
 
 # what each row of the command's JSON carries
 ROW_KEYS = ("workload", "variant", "family", "unit", "goodput", "goodput_min", "goodput_max", "goodput_spread",
             "goodput_orders", "usd_per_m_output", "usd_per_m_output_min", "usd_per_m_output_max", "goodput_ratio",
-            "goodput_ratio_min", "goodput_ratio_max", "vs_baseline", "non_monotone_orders", "same_as")
+            "goodput_ratio_min", "goodput_ratio_max", "vs_baseline", "non_monotone_orders", "same_as",
+            "goodput_band", "goodput_ratio_band", "band_label")
 UNITS = {"agents": "concurrent sessions per instance", "conversation": "requests/s per instance"}
 # the self-check's default variants: the baseline, no reuse, the impossible reference, the transformers
 HALVES_VARIANTS = (BASELINE, "none + prefix-affinity", "kv-only + prefix-affinity", "all-MLA bf16 TP4",
@@ -62,12 +64,50 @@ def _sessions_info(path) -> dict:
     return {"file": str(path), "sessions": len(sessions), "requests": sum(map(len, sessions))}
 
 
+def band_corners(deployment: str | None = None) -> list:
+    """The two members of the kernel ensemble (:func:`kimilab.costs.members`) with the fastest and the
+    slowest serving step on ``deployment``: a chat-like step (64 decodes at 4K context beside one
+    2K-token prefill chunk) of the hybrid, summed with the same step of the all-MLA baseline. A
+    capacity run costs minutes, so the band of a goodput is taken at these two corners."""
+    from kimilab.config import all_mla_27, kimi_linear_48b
+
+    dep = costs.deployment(deployment or DEFAULT_DEPLOYMENT.name)
+
+    def step(m):
+        d = dep.with_(kernels=m.kernels)
+        return sum(costs.step_seconds(cfg, d, decode=(64, 64 * 4096), chunks=[(2048, 0)])
+                   for cfg in (kimi_linear_48b, all_mla_27))
+
+    ms = costs.members()[1:]
+    times = [step(m) for m in ms]
+    return [ms[times.index(min(times))], ms[times.index(max(times))]]
+
+
+def _with_band(rows: list[dict], corner_rows: list[list[dict]], corners) -> None:
+    """Give each row the goodput and ratio at the band's corners (with the central value), and a label:
+    whether its place against the baseline (higher, lower or a tie) holds at both corners."""
+    for row in rows:
+        at = [next(r for r in cr if r["workload"] == row["workload"] and r["variant"] == row["variant"])
+              for cr in corner_rows]
+        good = [row["goodput"]] + [r["goodput"] for r in at]
+        row["goodput_band"] = [round(min(good), 6), round(max(good), 6)]
+        if "goodput_ratio" in row:
+            ratios = [row["goodput_ratio"]] + [r.get("goodput_ratio") for r in at]
+            known = [x for x in ratios if x is not None]
+            row["goodput_ratio_band"] = [round(min(known), 6), round(max(known), 6)] if known else None
+            flips = [m.differs() for m, r in zip(corners, at) if r.get("vs_baseline") != row.get("vs_baseline")]
+            row["band_label"] = ("holds across the band" if not flips
+                                 else "flips at " + "; ".join(flips))
+
+
 def measure_capacity(sessions=None, trace=None, *, variants=None, orders: int = ORDERS, instances: int = 1,
              deployment: str | None = None, requests: int | None = None, duration_s: float = 900.0,
-             price_per_hour: float = 2.0, step: float = 0.1, confirm: int = 2, workers: int | None = None) -> dict:
+             price_per_hour: float = 2.0, step: float = 0.1, confirm: int = 2, workers: int | None = None,
+             band: bool = False) -> dict:
     """Each variant's capacity on the agent ``sessions`` and/or the chat ``trace`` (paths), over ``orders``
     orders on ``instances`` instances: the command's JSON object. ``requests``: the trace's first N only;
-    ``duration_s``: each closed-loop replay's window; ``step``: the load grid's relative spacing."""
+    ``duration_s``: each closed-loop replay's window; ``step``: the load grid's relative spacing;
+    ``band``: also measure at the kernel band's two corners (:func:`band_corners`; three times the work)."""
     if sessions is None and trace is None:
         raise ValueError("sessions, trace: expected at least one file")
     orders, instances = check_int("orders", orders, 1), check_int("instances", instances, 1)
@@ -97,12 +137,20 @@ def measure_capacity(sessions=None, trace=None, *, variants=None, orders: int = 
                                    unit=UNITS["agents"], orders="order k: the sessions' order, seed k")
     t0 = time.perf_counter()
     rows = variant_rows(variants, kw, workers=workers)
+    extra = {}
+    if band:
+        corners = band_corners(deployment)
+        corner_rows = [variant_rows(variants, {w: dict(k, kernels=m.kernels) for w, k in kw.items()}, workers=workers)
+                       for m in corners]
+        _with_band(rows, corner_rows, corners)
+        extra = {"band": "goodput and ratio at the central kernels and at the two corners of the 36-set "
+                         "ensemble (fastest and slowest step): " + " | ".join(m.differs() for m in corners)}
     return {"baseline": BASELINE, "orders": orders, "instances": instances,
             "deployment": deployment or DEFAULT_DEPLOYMENT.name,
             "price_usd_per_accelerator_hour": price_per_hour, "grid_step": step, "confirm": confirm,
             "spread": "half the min-max range over the orders; a gap to the baseline no larger than the larger "
                       "of the two spreads is a tie",
-            "workloads": workloads, "rows": [_public(r) for r in rows],
+            "workloads": workloads, "rows": [_public(r) for r in rows], **extra,
             "run_wall_s": round(time.perf_counter() - t0, 3)}
 
 
@@ -182,6 +230,9 @@ def add_arguments(parser) -> None:
                         help="failing loads in a row that end the scan (and confirm the capacity below them)")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="processes the variants are spread over (default: cores, at most 4)")
+    parser.add_argument("--band", action="store_true",
+                        help="also measure at the two corners of the kernel band (3x the work): each row gets "
+                             "goodput_band, goodput_ratio_band and band_label")
     parser.add_argument("--halves", action="store_true",
                         help="instead: the self-check, each half of --sessions (default: the shipped sessions) "
                              "measured and compared")
@@ -231,7 +282,7 @@ def run(args, parser) -> int:
             out = measure_capacity(args.sessions, args.trace, variants=args.variants, orders=args.orders,
                            instances=args.instances, deployment=args.deployment, requests=args.requests,
                            duration_s=args.duration_s, price_per_hour=args.price, step=args.step,
-                           confirm=args.confirm, workers=args.workers)
+                           confirm=args.confirm, workers=args.workers, band=args.band)
     except (ValueError, RuntimeError) as err:
         parser.error(str(err))
     print(json.dumps(out, indent=1))

@@ -6,7 +6,7 @@ deployment's step times and each device's real HBM as the pool:
 
 * **conversation** (the real Mooncake trace, open loop at its own timestamps divided by a
   rate scale): the highest scale ``instances`` instances serve within
-  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (its TTFT and time-per-token limits), as
+  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (TTFT p99 <= 30 s, per-token TBT p99 <= 100 ms), as
   requests/s per instance, and dollars per million output tokens for the fleet at that load;
 * **agents** (the real Claude Code sessions, closed loop: each request a recorded think
   time after the reply it waited for): the most concurrent sessions ``agent_instances``
@@ -144,10 +144,13 @@ def _sessions(path: str) -> tuple:
     return tuple(tuple(s) for s in session_turns(load_sessions(path)))
 
 
-def _setup(v: Variant, deployment: str | None = None):
-    """The variant's model, deployment (``deployment`` replaces the tensor-parallel one), policy, pool."""
+def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | None = None):
+    """The variant's model, deployment (``deployment`` replaces the tensor-parallel one; ``kernels``
+    replaces its kernel numbers, e.g. a member of the band's ensemble), policy, pool."""
     dep_name = deployment if deployment and v.deployment == costs.DEFAULT_DEPLOYMENT.name else v.deployment
     cfg, dep = model_of(v.model), costs.deployment(dep_name)
+    if kernels is not None:
+        dep = dep.with_(kernels=kernels)
     policy = "kv-only" if v.policy == "none" else v.policy  # unique ids: nothing hits, states never matter
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
@@ -197,10 +200,10 @@ def _summary(row: dict, per: list[dict], results: list, slo, t0: float) -> dict:
 def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8,
                          price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
-                         orders: int = ORDERS, confirm: int = 2) -> dict:
+                         orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max."""
-    cfg, dep, policy, cap = _setup(v, deployment)
+    cfg, dep, policy, cap = _setup(v, deployment, kernels)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -229,12 +232,12 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
 def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, orders: int = ORDERS,
                    price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
-                   part: tuple[int, int] | None = None) -> dict:
+                   part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2))."""
-    cfg, dep, policy, cap = _setup(v, deployment)
+    cfg, dep, policy, cap = _setup(v, deployment, kernels)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
