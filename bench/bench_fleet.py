@@ -59,7 +59,7 @@ def _run(reqs, scale, **kw):
 
 
 def _same(a, b) -> bool:
-    cols = ("request_ids", "ttft_s", "tpot_s", "usable_hit", "computed", "busy_s")
+    cols = ("request_ids", "ttft_s", "tpot_s", "usable_hit", "computed", "busy_s", "busy_buckets")
     return all(np.array_equal(getattr(a, c), getattr(b, c)) for c in cols) and a.preemptions == b.preemptions
 
 

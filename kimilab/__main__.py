@@ -26,7 +26,7 @@ import json
 import sys
 from typing import Sequence
 
-from kimilab.validate import HelpWithDefaults, nonnegative_float_arg, positive_float_arg, positive_int_arg
+from kimilab.validate import HelpWithDefaults, positive_float_arg, positive_int_arg
 
 __all__ = ["main"]
 
@@ -91,40 +91,50 @@ def _parser() -> _Parser:
                    help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers")
     p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
     _add_deployment(p)
+    p.set_defaults(func=_prefix, parser=p)
 
     t = sub.add_parser("traces", help="trace files: statistics, or regenerate the book's traces")
     tsub = t.add_subparsers(dest="traces_command", required=True, parser_class=_Parser)
     st = tsub.add_parser("stats", help="validate traces and print their statistics")
     st.add_argument("files", nargs="+", metavar="FILE")
     st.add_argument("--block-size", type=positive_int_arg, default=512, help="tokens per hash block")
+    st.set_defaults(func=_traces, parser=st)
     rg = tsub.add_parser("regenerate", help="write the book's generated traces into DIR")
     rg.add_argument("directory", metavar="DIR")
+    rg.set_defaults(func=_traces, parser=rg)
     cc = tsub.add_parser("convert-claude-code", help="convert the Claude Code agent sessions into the book's form",
                          description="Convert kv-cache-tester's trace_*.json.gz sessions into one 512-token-block "
                                      "file (what data/claude_code_sessions.jsonl.gz is), byte for byte.")
     cc.add_argument("source", metavar="SOURCE_DIR", help="the folder of trace_*.json.gz files")
     cc.add_argument("out", metavar="OUT.jsonl.gz")
+    cc.set_defaults(func=_traces, parser=cc)
 
     m = sub.add_parser("memory", help="cache bytes and roofline decode time of a model against a baseline")
     m.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS), help="the model to price")
     m.add_argument("--baseline", default="all_mla_27", choices=sorted(PRESETS), help="the model to compare with")
     _add_deployment(m)
+    m.set_defaults(func=_memory, parser=m)
 
     b = sub.add_parser("book", help="execute every chapter and render the book")
     b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
     b.add_argument("--no-html", action="store_true", help="skip rendering HTML")
+    b.set_defaults(func=_book, parser=b)
 
-    sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
-    sub.add_parser("student", help="write the student bundle: student/ and student.zip, with no answers in it")
+    h = sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
+    h.set_defaults(func=_html, parser=h)
+    s = sub.add_parser("student", help="write the student bundle: student/ and student.zip, with no answers in it")
+    s.set_defaults(func=_classroom, parser=s)
     g = sub.add_parser("grade", help="execute answered student notebooks and write a CSV of every exercise's result")
     g.add_argument("submissions", nargs="+", metavar="SUBMISSION", help="student notebooks, or folders of them")
     g.add_argument("--out", default="grades.csv", help="the CSV to write")
     g.add_argument("--timeout", type=positive_int_arg, default=600, help="seconds a cell may run")
+    g.set_defaults(func=_classroom, parser=g)
 
     from kimilab.experiment.results import add_arguments as experiment_arguments
 
     e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
     experiment_arguments(e)
+    e.set_defaults(func=_experiment, parser=e)
     from kimilab.experiment.capacity import add_arguments as capacity_arguments
 
     k = sub.add_parser("capacity", help="every variant's capacity on your own traffic, over several orders; "
@@ -135,6 +145,7 @@ def _parser() -> _Parser:
                                    "print one JSON object: per variant the mean, min, max and spread, $/M output "
                                    "tokens, the ratio to the baseline and a higher/lower/tie label.")
     capacity_arguments(k)
+    k.set_defaults(func=_capacity_command, parser=k)
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
@@ -151,6 +162,7 @@ def _parser() -> _Parser:
     f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
                    help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
     _add_deployment(f)
+    f.set_defaults(func=_fleet, parser=f)
     c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
                        description="Run KDA context-parallel on seeded inputs across the ranks of "
                                    "`mpiexec -n P python -m kimilab cp`, and one rank alone in the same run; "
@@ -179,11 +191,17 @@ def _parser() -> _Parser:
                         "ring attention), checked against Model.prefill on one rank")
     c.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
                    help="with --model: the global-attention layers' layout (zigzag balances causal work)")
+    c.set_defaults(func=_cp, parser=c)
     return top
 
 
 
 
+
+
+def _no_requests(path: str) -> str:
+    """The one message every command gives for a trace without a request."""
+    return f"{path}: holds no requests; expected one JSON object per line"
 
 
 def _failure(text: str) -> tuple[int, float]:
@@ -215,7 +233,7 @@ def _fleet(args, parser) -> int:
     except (ValueError, OSError) as err:
         parser.error(str(err))
     if not requests:
-        parser.error("the traces hold no requests")
+        parser.error(_no_requests(", ".join(args.traces)))
     try:
         result = run_fleet(requests, preset(args.model), deployment=deployment(args.deployment),
                            instances=args.instances, router=args.router,
@@ -237,9 +255,14 @@ def _cp(args, parser) -> int:
 
     if args.model is None and args.layout != "contiguous":
         parser.error(f"--layout={args.layout}: only with --model (it is the global-attention layers' layout)")
+    if args.model is None and args.dim > MAX_CP_DIM:
+        parser.error(f"--dim={args.dim}: expected at most {MAX_CP_DIM} (Kimi's heads are 128; each chunk's work "
+                     "grows with dim squared)")
     need = cp_input_bytes(args.tokens, args.heads, args.dim, args.dtype, args.model)
     if need > _memory_bytes() // 2:
-        parser.error(f"--tokens={args.tokens}: the inputs and outputs alone need {need / 2**30:.1f} GiB on each "
+        states = args.model is None and cp_input_bytes(0, args.heads, args.dim, args.dtype) > need // 2
+        arg = f"--heads={args.heads} x --dim={args.dim}" if states else f"--tokens={args.tokens}"
+        parser.error(f"{arg}: the inputs, outputs and states alone need {need / 2**30:.1f} GiB on each "
                      f"rank; this machine has {_memory_bytes() / 2**30:.1f} GiB")
     try:
         if args.model is not None:
@@ -258,6 +281,9 @@ def _cp(args, parser) -> int:
     if out is not None:
         print(json.dumps(out))
     return 0
+
+
+MAX_CP_DIM = 1024  # K = V of one KDA head, for ``cp``
 
 
 def _memory_bytes() -> int:
@@ -290,6 +316,8 @@ def _prefix(args, parser) -> int:
         records = load_trace(args.trace, args.block_size)
     except (ValueError, OSError) as err:
         parser.error(f"{args.trace}: {err}")
+    if not records:
+        parser.error(_no_requests(args.trace))
     try:
         policy = make_policy(args.policy, **kwargs)
         if args.partial_blocks or any(r.tokens is not None for r in records):
@@ -303,7 +331,10 @@ def _prefix(args, parser) -> int:
                                    capacity_tokens=args.capacity_tokens)
     except ValueError as err:
         parser.error(str(err))
-    result = simulate(records, cache=cache)
+    try:
+        result = simulate(records, cache=cache)
+    except ValueError as err:  # e.g. a partial block's id seen with two lengths: the trace contradicts itself
+        parser.error(f"{args.trace}: {err}; expected each block id to stand for the same tokens throughout")
     out = result.as_dict()
     out["policy_detail"] = policy.describe()
     print(json.dumps(out))
@@ -337,11 +368,13 @@ def _traces(args, parser) -> int:
             records = load_trace(path, args.block_size)
         except (ValueError, OSError) as err:
             parser.error(f"{path}: {err}")
+        if not records:
+            parser.error(_no_requests(path))
         print(format_stats(path, trace_stats(records, args.block_size)))
     return 0
 
 
-def _memory(args) -> int:
+def _memory(args, parser) -> int:
     from kimilab import costs
     from kimilab.config import preset
 
@@ -350,43 +383,63 @@ def _memory(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]  # the subcommand's parser
-    if args.command == "prefix":
-        return _prefix(args, sub)
-    if args.command == "traces":
-        return _traces(args, sub._subparsers._group_actions[0].choices[args.traces_command])
-    if args.command == "memory":
-        return _memory(args)
-    if args.command == "cp":
-        return _cp(args, sub)
-    if args.command == "fleet":
-        return _fleet(args, sub)
-    if args.command == "html":
-        from kimilab import site
+def _html(args, parser) -> int:
+    from kimilab import site
 
-        return site.main()
-    if args.command == "student":
-        from kimilab import classroom
+    return site.main()
 
-        return classroom.main()
-    if args.command == "grade":
-        from kimilab import classroom
 
-        return classroom.grade_main(args.submissions, args.out, args.timeout)
-    if args.command == "experiment":
-        from kimilab.experiment import results
+def _classroom(args, parser) -> int:
+    from kimilab import classroom
 
-        return results.run(args)
-    if args.command == "capacity":
-        from kimilab.experiment import capacity
+    return classroom.grade_main(args.submissions, args.out, args.timeout) if args.command == "grade" \
+        else classroom.main()
 
-        return capacity.run(args, sub)
+
+def _experiment(args, parser) -> int:
+    from kimilab.experiment import results
+
+    return results.run(args)
+
+
+def _capacity_command(args, parser) -> int:
+    from kimilab.experiment import capacity
+
+    return capacity.run(args, parser)
+
+
+def _book(args, parser) -> int:
     from kimilab import book
 
     return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))
+
+
+# What the boundary turns into one line and exit 2: bad values and sizes, bad or unreadable paths,
+# input too deep or too large to parse or hold. KIMILAB_DEBUG=1 re-raises them with a traceback.
+INPUT_ERRORS = (ValueError, OSError, RecursionError, OverflowError, MemoryError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the command inside the one error boundary (:data:`INPUT_ERRORS`)."""
+    import os
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    sub = args.parser
+    try:
+        return args.func(args, sub)
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except INPUT_ERRORS as err:
+        if os.environ.get("KIMILAB_DEBUG"):
+            raise
+        text = " ".join(str(err).split()) or type(err).__name__
+        if isinstance(err, RecursionError):
+            text = f"input nested too deeply to read ({text})"
+        elif isinstance(err, MemoryError):
+            text = "not enough memory for this input or these sizes"
+        sub.exit(2, f"{sub.prog}: error: {text}\n")
 
 
 if __name__ == "__main__":

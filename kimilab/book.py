@@ -41,7 +41,7 @@ def chapter_paths(only: list[str] | None = None) -> list[Path]:
         wanted = {n.zfill(2) for n in only}
         unknown = wanted - {p.name[:2] for p in paths}
         if unknown:
-            raise SystemExit(f"--only: no chapter numbered {sorted(unknown)}; have {[p.name for p in paths]}")
+            raise ValueError(f"--only: no chapter numbered {sorted(unknown)}; have {[p.name for p in paths]}")
         paths = [p for p in paths if p.name[:2] in wanted]
     return paths
 
@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from nbclient.exceptions import CellExecutionError
 
-    sources = chapter_paths(args.only)
+    try:
+        sources = chapter_paths(args.only)
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     if not sources:
         print("no chapters found under chapters/", file=sys.stderr)
         return 1

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-__all__ = ["check_int", "check_float", "check_choice", "positive_int_arg", "positive_float_arg",
+__all__ = ["writable_dir", "writable_file", "check_int", "check_float", "check_choice", "positive_int_arg", "positive_float_arg",
            "nonnegative_float_arg", "HelpWithDefaults"]
 
 
@@ -85,3 +87,27 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         if action.required or action.default in (None, False) or action.default == []:
             return action.help
         return super()._get_help_string(action)
+
+
+def writable_dir(name: str, path) -> Path:
+    """Make ``path`` a directory and check that a file can be written there, before any work runs
+    (ValueError naming ``name`` otherwise), so a long run never ends in a failed write."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".kimilab-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"{name}={str(path)!r}: expected a writable directory ({err.strerror or err})") from None
+    return out
+
+
+def writable_file(name: str, path) -> Path:
+    """Check that ``path`` can be written (its directory made if missing) before any work runs;
+    ValueError naming ``name`` otherwise. An existing file is left as it is."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{name}={str(path)!r}: is a directory; expected a file to write")
+    writable_dir(name, out.parent if str(out.parent) else ".")
+    return out

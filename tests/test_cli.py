@@ -143,6 +143,8 @@ def _run(*argv):
 
 @pytest.mark.parametrize("argv, names", [
     (["cp", "--tokens", "10000000000"], "--tokens=10000000000"),  # once a MemoryError traceback
+    (["cp", "--tokens", "1", "--heads", "1", "--dim", "20000"], "--dim=20000"),  # once a hang
+    (["cp", "--tokens", "1", "--heads", "100000", "--dim", "1024"], "--heads=100000 x --dim=1024"),
     (["cp", "--tokens", "100", "--affine-cost", "inf"], "--affine-cost"),  # once "weights: expected ..."
     (["cp", "--tokens", "100", "--repeats", "0"], "--repeats"),
 ])
@@ -189,3 +191,81 @@ def test_every_help_text_states_the_code_s_default():
         assert "(default" not in text.replace("(default: ", ""), command  # no hand-written defaults left
     text = " ".join(_run("experiment", "--help").stdout.split())
     assert "the fastest is kept (default: 1)" in text and "sessions per workload (default: 2)" in text
+
+
+# ----- one error boundary: the same input, the same answer, exit 2 and one line -----
+
+
+def _one_line_rc2(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr)
+
+
+def test_an_empty_or_deeply_nested_trace_gets_one_answer_from_every_command(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for path, says in ((empty, "holds no requests"), (deep, "line 1: JSON nested too deeply")):
+        for argv in (["traces", "stats", path], ["prefix", path, "--policy", "dual", "--capacity-tokens", "inf"],
+                     ["fleet", path, "--instances", "1", "--router", "least-work", "--capacity-tokens", "inf"]):
+            proc = _run(*argv)
+            _one_line_rc2(proc, f"{path}: ", says)
+            assert proc.stdout == ""
+
+
+def test_fleet_sizes_and_times_have_limits_and_memory_follows_the_work(tmp_path, capsys):
+    """A Unix-epoch timestamp (1.7e12 ms) once cost 820 MB of busy buckets from t = 0; now a handful.
+    A clock a float cannot step, too many instances, and one instance failing twice are named."""
+    from kimilab.config import kimi_linear_48b
+    from kimilab.costs import DEFAULT_DEPLOYMENT
+    from kimilab.fleet import run_fleet
+    from kimilab.traffic import Request
+
+    epoch = [Request(0, 1_700_000_000_000, 600, 3, hash_ids=(1, 2)),
+             Request(1, 1_700_000_000_500, 600, 3, hash_ids=(1, 3))]
+    res = run_fleet(epoch, kimi_linear_48b, deployment=DEFAULT_DEPLOYMENT, instances=2, router="least-work",
+                    capacity_tokens=None)
+    assert res.finished == 2 and res.busy_s.shape[1] <= 2 and res.busy_buckets[0] == 170_000_000
+    assert 0 < res.summary()["instances"][0]["busy_fraction"] <= 1
+    t = write_trace(tmp_path / "epoch.jsonl", epoch)
+    for argv, says in (
+            (["--rate-scale", "1e-300"], "rate_scale=1e-300"),
+            (["--instances", "100000"], "instances=100000"),
+            (["--fail", "0@1", "--fail", "0@2"], "at most once")):
+        base = ["fleet", t, "--router", "least-work", "--capacity-tokens", "inf"]
+        if "--instances" not in argv:
+            base += ["--instances", "2"]
+        _one_line_rc2(_run(*base, *argv), says)
+
+
+def test_outputs_are_checked_before_any_work_and_book_names_a_missing_chapter(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    _one_line_rc2(_run("experiment", "--part", "a", "--out", afile / "sub"), "--out=", "writable directory")
+    _one_line_rc2(_run("grade", tmp_path / "none.ipynb", "--out", tmp_path), "--out=", "is a directory")
+    _one_line_rc2(_run("book", "--only", "99", "--no-html"), "--only: no chapter numbered ['99']")
+
+
+def test_a_partial_block_id_with_two_lengths_is_named(tmp_path):
+    t = tmp_path / "pb.jsonl"
+    t.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+                 '{"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": [1, 2]}\n')
+    _one_line_rc2(_run("prefix", t, "--policy", "dual", "--capacity-tokens", "inf", "--partial-blocks"),
+                  f"{t}: ", "88 tokens, now 188", "same tokens throughout")
+
+
+def test_every_command_refuses_an_unchained_trace_alike(tmp_path):
+    """A duplicate id in a request, or an id under two parents: `traces stats` validates chains, and
+    every command that reads a trace refuses it with the same line."""
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [5, 5]}\n')
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]}\n'
+                   '{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [3, 2]}\n')
+    for path, says in ((dup, "line 1: field 'hash_ids'[1]=5 repeats"), (two, "line 2: field 'hash_ids'[1]=2 is after 3")):
+        for argv in (["traces", "stats", path], ["prefix", path, "--policy", "dual", "--capacity-tokens", "inf"],
+                     ["fleet", path, "--instances", "1", "--router", "least-work", "--capacity-tokens", "inf"]):
+            _one_line_rc2(_run(*argv), f"{path}: {says}")

@@ -224,7 +224,7 @@ def test_a_model_without_kda_layers_runs_and_reuses_every_cached_token(model):
 from kimilab.engine.reference import ReferenceEngine  # noqa: E402
 
 _COLUMNS = ("request_ids", "instance", "arrival_s", "ttft_s", "tpot_s", "e2e_s", "usable_hit", "kv_hit", "served",
-            "computed", "busy_s")
+            "computed", "busy_s", "busy_buckets")
 
 
 class _Probe:

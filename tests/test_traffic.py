@@ -251,9 +251,9 @@ def test_loader_checks_timestamp_order(tmp_path):
 def test_check_chain_detects_reparented_id(tmp_path):
     records = [Request(0, 0, 20, 1, hash_ids=(0, 1)), Request(1, 1, 20, 1, hash_ids=(2, 1))]
     path = wl.write_trace(tmp_path / "c.jsonl", records)
-    assert len(wl.load_trace(path, 10)) == 2
+    assert len(wl.load_trace(path, 10, chained=False)) == 2
     with pytest.raises(ValueError, match=r"line 2: field 'hash_ids'\[1\]"):
-        wl.load_trace(path, 10, chained=True)
+        wl.load_trace(path, 10)  # chained is the default
 
 
 # ----------------------------------------------------------------------------- committed data

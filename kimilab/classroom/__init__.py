@@ -36,6 +36,13 @@ def grade_main(paths: list[str], out: str, timeout: int) -> int:
     """``make grade``: execute the notebooks, write the CSV, print one line per notebook."""
     from kimilab.classroom.grade import grade
 
+    from kimilab.validate import writable_file
+
+    try:
+        writable_file("--out", out)
+    except ValueError as err:
+        print(f"python -m kimilab grade: error: {err}", file=sys.stderr)
+        return 2
     try:
         rows = grade(paths, Path(out), timeout=timeout)
     except ValueError as err:

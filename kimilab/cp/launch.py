@@ -106,7 +106,8 @@ def cp_input_bytes(tokens: int, heads: int, dim: int, dtype: str, model: str | N
         return 3 * tokens * (config.vocab_size + 4 * config.d_model) * np.dtype(config.dtype).itemsize
     item = np.dtype(dtype).itemsize
     per_token = heads * (4 * dim + dim + 1)  # q, k, g, v, one output, beta (each rank draws them all)
-    return 2 * tokens * per_token * item  # inputs, and the reference and CP outputs beside them
+    states = 4 * heads * dim * dim  # a state S, a transition's M and C, and one in flight: K x V each
+    return (2 * tokens * per_token + states) * item  # inputs, the reference and CP outputs, the states
 
 
 def mpi_prefill_run(tokens: int, model: str = "tiny", *, seed: int = 0, timeout: float = 120.0,

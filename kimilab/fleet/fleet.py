@@ -22,7 +22,7 @@ from kimilab.fleet.routers import make_router
 from kimilab.gcpause import gc_paused
 from kimilab.validate import check_float, check_int
 
-__all__ = ["Fleet", "ISOLATION", "run_fleet", "shared_timer"]
+__all__ = ["Fleet", "ISOLATION", "MAX_INSTANCES", "MAX_SIMULATED_S", "run_fleet", "shared_timer"]
 
 ISOLATION = ("none", "quota")
 
@@ -52,6 +52,8 @@ class Fleet:
                  reserve: float = 0.5, engine_class: type = Engine, router_options: dict | None = None,
                  **engine_kw):
         n = check_int("instances", n, 1)
+        if n > MAX_INSTANCES:
+            raise ValueError(f"instances={n}: expected at most {MAX_INSTANCES:,} (one simulated engine each)")
         if isolation not in ISOLATION:
             raise ValueError(f"isolation={isolation!r}: expected one of {ISOLATION}")
         self.router = make_router(router, **(router_options or {}))
@@ -113,6 +115,14 @@ class Fleet:
         for i, t in fails:
             if not 0 <= i < len(self.instances):
                 raise ValueError(f"fail instance {i}: expected 0..{len(self.instances) - 1}")
+        failed = [i for i, _ in fails]
+        if len(set(failed)) != len(failed):
+            raise ValueError(f"fails={list(fails)!r}: an instance fails once; expected each instance at most once")
+        last = max((r.arrival_ms for r in requests), default=0) / 1000.0 / rate_scale
+        if not last <= MAX_SIMULATED_S:
+            raise ValueError(f"rate_scale={rate_scale:g}: the last arrival would be at {last:.3g} s of simulated "
+                             f"time; expected at most {MAX_SIMULATED_S:.0e} s (beyond it a float clock cannot "
+                             "resolve a step, and the run would not advance)")
         start = time.perf_counter()
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_ms, i))
         pending_fails = sorted(fails, key=lambda f: (f[1], f[0]))
@@ -133,6 +143,10 @@ class Fleet:
             for e in self.alive():
                 e.drain()
             return FleetResult.of(self, len(requests), time.perf_counter() - start)
+
+
+MAX_INSTANCES = 10_000  # simulated engines in one fleet: each is a Python object stepping on its own
+MAX_SIMULATED_S = 1e10  # seconds: a float clock there still resolves 2 microseconds, far below a step
 
 
 def run_fleet(requests: Sequence, config: ModelConfig, *, deployment: Deployment, instances: int, router: str,

@@ -52,7 +52,7 @@ class FleetResult:
     restarts: int
     refused: int
     bucket_s: float
-    busy_s: np.ndarray  # [instance, time bucket] busy seconds
+    busy_s: np.ndarray  # [instance, k] busy seconds in time bucket busy_buckets[k] (only buckets with work)
     failures: list = field(default_factory=list)
     wall_seconds: float = 0.0
     request_ids: np.ndarray = field(default=None, repr=False)
@@ -60,16 +60,20 @@ class FleetResult:
     n_deployed: int = 0  # instances as deployed (n_instances counts engines: one per device under DP-attention)
     aborted: bool = False  # stopped early: a guard found the outcome certain (kimilab.fleet.goodput)
     tbt: GapLog = field(default=None, repr=False)  # every gap between output tokens, by time bucket
+    busy_buckets: np.ndarray = field(default=None, repr=False)  # the time buckets busy_s's columns are
 
     @classmethod
     def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
         done = sorted((f for e in fleet.instances for f in e.finished), key=lambda f: (f.arrival_s, f.request_id))
         col = lambda fn, dt=float: np.array([fn(f) for f in done], dtype=dt)  # noqa: E731
-        n_buckets = 1 + max((max(e.busy, default=0) for e in fleet.instances), default=0)
-        busy = np.zeros((len(fleet.instances), n_buckets))
+        # sparse in time: only the buckets some engine worked in (a trace's timestamps may start at
+        # the Unix epoch's 1e12 ms, or span years; memory must follow the work, not the clock)
+        buckets = np.array(sorted({b for e in fleet.instances for b in e.busy}), dtype=np.int64)
+        col_of = {int(b): k for k, b in enumerate(buckets)}
+        busy = np.zeros((len(fleet.instances), buckets.size))
         for e in fleet.instances:
             for b, s in e.busy.items():
-                busy[e.index, b] = s
+                busy[e.index, col_of[b]] = s
         return cls(fleet.router.name, fleet.isolation, fleet.deployment.name, n_requests, len(fleet.instances),
                    np.array([f.tenant for f in done], dtype=object), col(lambda f: f.instance, int),
                    col(lambda f: f.arrival_s), col(lambda f: f.ttft), col(lambda f: f.tpot), col(lambda f: f.e2e),
@@ -79,7 +83,7 @@ class FleetResult:
                    sum(f.restarts for f in done), sum(len(e.refused) for e in fleet.instances),
                    fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
                    col(lambda f: f.request_id, int), len(fleet.instances) * fleet.devices_per_engine,
-                   fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances))
+                   fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances), busy_buckets=buckets)
 
     @property
     def finished(self) -> int:
@@ -107,9 +111,10 @@ class FleetResult:
                 "e2e_p99_s": _pct(self.e2e_s[m], 99),
                 "usable_hit_rate": round(self.usable_hit_rate(m), 6) if self.input_tokens[m].size else None}
 
-    def utilisation(self) -> np.ndarray:
-        """Busy fraction per instance and time bucket."""
-        return self.busy_s / self.bucket_s
+    def utilisation(self) -> tuple[np.ndarray, np.ndarray]:
+        """Busy fraction per instance in each time bucket that saw work: (bucket start times in
+        seconds, [instance, bucket] fractions); buckets left out were idle on every instance."""
+        return self.busy_buckets * self.bucket_s, self.busy_s / self.bucket_s
 
     def window(self, width_s: float) -> dict:
         """TTFT p99 and usable hit rate of the requests arriving in each ``width_s`` window, and the TBT
@@ -145,8 +150,10 @@ class FleetResult:
                     "preemptions": self.preemptions, "restarts": self.restarts,
                     "failures": [{"instance": i, "at_s": t} for i, t in self.failures]})
         out["tenants"] = {t: self._latency(self.tenant == t) for t in dict.fromkeys(self.tenant.tolist())}
-        util = self.utilisation()
-        span = max(util.shape[1], 1)
+        _, util = self.utilisation()
+        # buckets from the first arrival's to the last one worked in (idle ones included)
+        first = int(self.arrival_s.min() // self.bucket_s) if self.finished else 0
+        span = max(int(self.busy_buckets[-1]) + 1 - first, 1) if self.busy_buckets.size else 1
         out["instances"] = [{"instance": i, "requests": int(np.count_nonzero(self.instance == i)),
                              "usable_hit_rate": round(self.usable_hit_rate(self.instance == i), 6),
                              "busy_fraction": round(float(util[i].sum() / span), 6)} for i in range(self.n_instances)]

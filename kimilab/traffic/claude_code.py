@@ -130,6 +130,8 @@ def load_sessions(path) -> list[SessionRequest]:
                                  "api_ms, input_length, output_length, hash_ids") from None
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{path}: line {lineno}: {err}") from None
+            except RecursionError:
+                raise ValueError(f"{path}: line {lineno}: JSON nested too deeply to read") from None
             if row.input_length < 1 or len(row.hash_ids) != -(-row.input_length // _COARSE):
                 raise ValueError(f"{path}: line {lineno}: expected input_length >= 1 and one id per 512 tokens")
             rows.append(row)

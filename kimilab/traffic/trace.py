@@ -88,6 +88,8 @@ def parse_line(text: str, lineno: int = 1, block_size: int = DEFAULT_BLOCK_SIZE)
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read; expected one flat object") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     for name in _FIELDS:
@@ -122,13 +124,15 @@ def parse_line(text: str, lineno: int = 1, block_size: int = DEFAULT_BLOCK_SIZE)
 
 
 def load_trace(path, block_size: int = DEFAULT_BLOCK_SIZE, *, require_sorted: bool = True,
-               chained: bool = False) -> list[Request]:
+               chained: bool = True) -> list[Request]:
     """Read and validate a Mooncake jsonl trace; any bad line raises ValueError naming it.
 
     Checks per line: valid JSON object, the four fields present, non-negative
     ints, ``len(hash_ids) == ceil(input_length / block_size)``, and (with
     ``require_sorted``) timestamps non-decreasing. Extra fields are ignored.
-    With ``chained=True`` also :func:`check_chain`. Nothing is returned unless
+    With ``chained`` (the default, so every command that reads a trace judges it
+    alike) also :func:`check_chain`: an id names one whole prefix, so a duplicate id
+    in a request or an id under two parents is an error. Nothing is returned unless
     every line passed.
     """
     block_size = check_int("block_size", block_size, 1)
@@ -157,14 +161,20 @@ def check_chain(records: Sequence[Request]) -> None:
     the same block position behind the same parent id.
     """
     parent_of: dict[int, int] = {}
+    where = lambda p: "at the start" if p == -1 else f"after {p}"  # noqa: E731
     for lineno, record in enumerate(records, start=1):
         parent = -1
+        mine: set = set()
         for j, h in enumerate(record.hash_ids):
+            if h in mine:
+                raise ValueError(f"line {lineno}: field 'hash_ids'[{j}]={h} repeats an id of the same request; "
+                                 "expected chained prefix ids (each names a different prefix)")
+            mine.add(h)
             seen = parent_of.setdefault(h, parent)
             if seen != parent:
                 raise ValueError(
-                    f"line {lineno}: field 'hash_ids'[{j}]={h} follows {parent}, but an earlier "
-                    f"line has it after {seen}; expected chained prefix ids"
+                    f"line {lineno}: field 'hash_ids'[{j}]={h} is {where(parent)}, but an earlier "
+                    f"line has it {where(seen)}; expected chained prefix ids"
                 )
             parent = h
     return None
