@@ -156,6 +156,20 @@ def test_capacity_command_prints_the_variant_table_as_json(tmp_path, capsys, dat
         assert r["band_label"] == "holds across the band" or r["band_label"].startswith("flips at ")
 
 
+def test_capacity_tune_measures_each_variant_at_its_best_setting(capsys, data_dir):
+    from kimilab.experiment.tuning import BUDGETS, SEQS
+
+    assert main(["capacity", "--trace", str(data_dir / "mooncake_conversation.jsonl"), "--requests", "40",
+                 "--orders", "1", "--variants", "all-MLA fp8 TP4", "--step", "1", "--workers", "1", "--tune"]) == 0
+    for r in json.loads(capsys.readouterr().out)["rows"]:
+        assert [(p["max_batched_tokens"], p["max_num_seqs"]) for p in r["tuning"]] == \
+            [(b, s) for b in BUDGETS for s in SEQS]
+        best = max(p["value"] for p in r["tuning"])
+        assert r["goodput"] == pytest.approx(best, abs=1e-6)  # order 0 on one instance: the tuning's own run
+        assert r["scheduler"] == next({k: p[k] for k in ("max_batched_tokens", "max_num_seqs")}
+                                      for p in r["tuning"] if p["value"] == best)
+
+
 @pytest.mark.parametrize("argv, names", [
     (["--sessions", "nope.jsonl.gz"], "--sessions=nope.jsonl.gz: no such file"),
     (["--trace", "nope.jsonl"], "--trace=nope.jsonl: no such file"),

@@ -121,6 +121,40 @@ def test_part_b_files_and_rerun_agree_except_wall_clock(part_b, tmp_path):
     assert _strip_wall(again["rows"]) == _strip_wall(first)
 
 
+def test_part_b_tunes_each_variant_then_measures_it_at_its_best():
+    """With ``tune``, each variant's chat row is measured at the grid point where order 0 did best (the
+    smaller budget on a tie), the grid is in the row, and the table names the setting; the deployment's
+    own setting is recorded without it; an unknown scheduler field or a bad grid is named."""
+    from kimilab.experiment.scale import conversation_goodput, tune_variant
+    from kimilab.experiment.tables import part_b_cells, part_b_notes
+    from kimilab.experiment.variants import variant
+
+    grid = ((2048, 8192), (64, 1024))
+    small = dict(SMALL, workloads=("conversation",))
+    got = run_part_b(variants=(BASELINE, "all-MLA fp8 TP4"), tune={"conversation": grid}, **small)
+    for row in got["rows"]:
+        pts = row["tuning"]
+        assert [(p["max_batched_tokens"], p["max_num_seqs"]) for p in pts] == [(b, s) for b in grid[0] for s in grid[1]]
+        best = max(p["value"] for p in pts)
+        first = next(p for p in pts if p["value"] == best)
+        assert row["scheduler"] == {"max_batched_tokens": first["max_batched_tokens"],
+                                    "max_num_seqs": first["max_num_seqs"]}
+        assert row["orders"][0]["goodput"] == pytest.approx(best, abs=1e-6)  # order 0 again, same number
+    cells = part_b_cells(got)
+    assert all(c[1].endswith(("/64", "/1024")) for c in cells)
+    assert any("tuned per variant" in n for n in part_b_notes(got))
+    plain = conversation_goodput(variant(BASELINE), n_requests=60, instances=1, orders=1, rel_tol=0.3, start=1.0)
+    assert plain["scheduler"] == {"max_batched_tokens": 8192, "max_num_seqs": 1024} and "tuning" not in plain
+    with pytest.raises(ValueError, match="scheduler"):
+        conversation_goodput(variant(BASELINE), n_requests=60, orders=1, scheduler={"chunk": 2048})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        conversation_goodput(variant(BASELINE), n_requests=60, orders=1, scheduler={"max_num_seqs": 0})
+    with pytest.raises(ValueError, match="tune"):
+        run_part_b(variants=(BASELINE,), tune={"agents": grid}, **small)
+    with pytest.raises(ValueError, match="budgets"):
+        tune_variant(BASELINE, "conversation", dict(n_requests=60), budgets=())
+
+
 def test_part_b_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="variants"):
         run_part_b(variants=(BASELINE, "prefix:magic"), **SMALL)
@@ -186,7 +220,7 @@ def test_tune_finds_the_best_setting_on_a_synthetic_measure():
     assert best.changes == {"max_batched_tokens": 4096, "max_num_seqs": 256} and best.value == 0.0
     assert len(best.rows) == len(BUDGETS) * len(SEQS) == len(seen)
     assert seen == [(b, s) for b in BUDGETS for s in SEQS]  # budgets, then seqs, in the order given
-    assert best.table()[0] == [2048, 64, best.rows[0]["value"]]
+    assert best.table()[0] == [2048, 256, best.rows[0]["value"]]
     assert tune(measure) == best  # deterministic
     flat = tune(lambda c: 1.0, budgets=(8192, 2048), seqs=(512, 64))
     assert flat.changes == {"max_batched_tokens": 2048, "max_num_seqs": 64}  # a tie: the cheaper setting

@@ -342,7 +342,8 @@ def test_the_steady_window_drops_the_warm_up_and_the_drain():
     from kimilab.fleet.goodput import MOONCAKE_SLO, SLO, meets, steady_window, window
 
     arrivals = np.arange(100.0)
-    assert steady_window(arrivals, MOONCAKE_SLO) == (-math.inf, math.inf)
+    assert steady_window(arrivals, SLO("plain", 30.0, 99, None, 99, "t")) == (-math.inf, math.inf)
+    assert steady_window(arrivals, MOONCAKE_SLO) == pytest.approx((9.9, math.inf))  # warm-up, no cool-down
     steady = SLO("s", 30.0, 99, None, 99, "test", tbt_s=0.1, warmup_frac=0.1, cooldown_frac=0.2)
     assert steady_window(arrivals, steady) == pytest.approx((9.9, 79.2))
     assert steady_window(arrivals, SLO("w", 30.0, 99, None, 99, "t", warmup_s=30.0, warmup_frac=0.1))[0] == 30.0
@@ -361,6 +362,33 @@ def test_the_steady_window_drops_the_warm_up_and_the_drain():
             SLO("bad", 30.0, 99, None, 99, "t", **bad)
     with pytest.raises(ValueError, match="ttft_q"):
         SLO("bad", 30.0, 101, None, 99, "t")
+
+
+def test_a_growing_queue_fails_the_steady_state_even_inside_the_percentiles():
+    """An overloaded replay shorter than the time its queue takes to breach the TTFT limit passes the
+    percentiles; the TTFT growth bound (30 s per hour of arrivals) fails it, and passes a steady queue
+    whose TTFT only scatters. Growth is the last third's median less the first third's, over the time
+    between them; too few requests are not judged."""
+    from kimilab.fleet.goodput import MOONCAKE_SLO, SLO, meets, slo_ratio, ttft_growth, window
+
+    rng = np.random.default_rng(0)
+    arrivals = np.linspace(0.0, 300.0, 600)
+    steady = 1.0 + rng.exponential(0.5, 600)  # no backlog: TTFT scatters around 1.5 s
+    growing = 1.0 + 0.05 * arrivals  # 5% overload: 15 s of queue after 300 s, inside the 30 s limit
+    for ttft, ok in ((steady, True), (growing, False)):
+        res = _Hand(arrivals, ttft, np.full(600, 0.04), np.full(600, 2), [(t, 0.04, 1) for t in range(0, 300, 10)])
+        no_growth = SLO("p", 30.0, 99, None, 99, "t", tbt_s=0.1, warmup_frac=0.1)
+        assert meets(res, no_growth)  # the percentiles alone pass both
+        assert meets(res, MOONCAKE_SLO) is ok
+        g = window(res, MOONCAKE_SLO)["ttft_growth"]
+        assert (abs(g) < MOONCAKE_SLO.max_ttft_growth) if ok else g == pytest.approx(0.05, rel=1e-9)
+        assert (slo_ratio(res, MOONCAKE_SLO) <= 1.0) is ok
+    assert ttft_growth(np.arange(59.0), np.arange(59.0)) is None  # 19 a third: not judged
+    assert ttft_growth(np.arange(60.0), 2 * np.arange(60.0)) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="arrival_s and ttft_s"):
+        ttft_growth(np.arange(3.0), np.arange(4.0))
+    with pytest.raises(ValueError, match="max_ttft_growth"):
+        SLO("bad", 30.0, 99, None, 99, "t", max_ttft_growth=-1.0)
 
 
 def test_the_guard_judges_the_window_and_tbt_only_when_certain():

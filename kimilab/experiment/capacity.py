@@ -33,7 +33,7 @@ __all__ = ["ROW_KEYS", "HALVES_VARIANTS", "band_corners", "measure_capacity", "t
 ROW_KEYS = ("workload", "variant", "family", "unit", "goodput", "goodput_min", "goodput_max", "goodput_spread",
             "goodput_orders", "usd_per_m_output", "usd_per_m_output_min", "usd_per_m_output_max", "goodput_ratio",
             "goodput_ratio_min", "goodput_ratio_max", "vs_baseline", "non_monotone_orders", "same_as",
-            "goodput_band", "goodput_ratio_band", "band_label")
+            "goodput_band", "goodput_ratio_band", "band_label", "scheduler", "tuning")
 UNITS = {"agents": "concurrent sessions per instance", "conversation": "requests/s per instance"}
 # the self-check's default variants: the baseline, no reuse, the impossible reference, the transformers
 HALVES_VARIANTS = (BASELINE, "none + prefix-affinity", "kv-only + prefix-affinity", "all-MLA bf16 TP4",
@@ -103,11 +103,13 @@ def _with_band(rows: list[dict], corner_rows: list[list[dict]], corners) -> None
 def measure_capacity(sessions=None, trace=None, *, variants=None, orders: int = ORDERS, instances: int = 1,
              deployment: str | None = None, requests: int | None = None, duration_s: float = 900.0,
              price_per_hour: float = 2.0, step: float = 0.1, confirm: int = 2, workers: int | None = None,
-             band: bool = False) -> dict:
+             band: bool = False, tune: bool = False) -> dict:
     """Each variant's capacity on the agent ``sessions`` and/or the chat ``trace`` (paths), over ``orders``
     orders on ``instances`` instances: the command's JSON object. ``requests``: the trace's first N only;
     ``duration_s``: each closed-loop replay's window; ``step``: the load grid's relative spacing;
-    ``band``: also measure at the kernel band's two corners (:func:`band_corners`; three times the work)."""
+    ``band``: also measure at the kernel band's two corners (:func:`band_corners`; three times the work);
+    ``tune``: tune each variant's scheduler first on each workload (:func:`~kimilab.experiment.scale.tune_variant`;
+    at a corner, tuned again there)."""
     if sessions is None and trace is None:
         raise ValueError("sessions, trace: expected at least one file")
     orders, instances = check_int("orders", orders, 1), check_int("instances", instances, 1)
@@ -135,6 +137,11 @@ def measure_capacity(sessions=None, trace=None, *, variants=None, orders: int = 
         kw["agents"] = dict(common, duration_s=duration_s, sessions_path=str(sessions), start=16 * instances)
         workloads["agents"] = dict(_sessions_info(sessions), window_s=duration_s, slo=AGENT_SLO.describe(),
                                    unit=UNITS["agents"], orders="order k: the sessions' order, seed k")
+    if tune:
+        from kimilab.experiment.tuning import BUDGETS, SEQS
+
+        for k in kw.values():
+            k["tune"] = (BUDGETS, SEQS)
     t0 = time.perf_counter()
     rows = variant_rows(variants, kw, workers=workers)
     extra = {}
@@ -233,6 +240,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--band", action="store_true",
                         help="also measure at the two corners of the kernel band (3x the work): each row gets "
                              "goodput_band, goodput_ratio_band and band_label")
+    parser.add_argument("--tune", action="store_true",
+                        help="tune each variant's max_batched_tokens (2K-16K) and max_num_seqs (256, 1024) on "
+                             "order 0 of each workload, on one instance, before measuring it (8x the work)")
     parser.add_argument("--halves", action="store_true",
                         help="instead: the self-check, each half of --sessions (default: the shipped sessions) "
                              "measured and compared")
@@ -282,7 +292,7 @@ def run(args, parser) -> int:
             out = measure_capacity(args.sessions, args.trace, variants=args.variants, orders=args.orders,
                            instances=args.instances, deployment=args.deployment, requests=args.requests,
                            duration_s=args.duration_s, price_per_hour=args.price, step=args.step,
-                           confirm=args.confirm, workers=args.workers, band=args.band)
+                           confirm=args.confirm, workers=args.workers, band=args.band, tune=args.tune)
     except (ValueError, RuntimeError) as err:
         parser.error(str(err))
     print(json.dumps(out, indent=1))

@@ -21,9 +21,9 @@ from pathlib import Path
 from kimilab.config import tiny
 from kimilab.experiment.second import CONFIGS, second_request, sessions
 from kimilab.model import Model
-from kimilab.validate import HelpWithDefaults, check_int, nonnegative_float_arg, positive_int_arg
+from kimilab.validate import HelpWithDefaults, check_int, nonnegative_float_arg, positive_int_arg, writable_dir
 
-__all__ = ["WORKLOADS", "PARTS", "run_part_a", "part_a_table", "add_arguments", "run", "main"]
+__all__ = ["WORKLOADS", "PARTS", "TUNE_CHOICES", "tune_grid", "run_part_a", "part_a_table", "add_arguments", "run", "main"]
 
 WORKLOADS = ("agent", "chat")
 
@@ -98,6 +98,7 @@ def run(args) -> int:
     from kimilab.experiment.scale import run_part_b
     from kimilab.experiment.tables import part_b_table
 
+    writable_dir("--out", args.out)  # before any work: a run must not end in a failed write
     ok = True
     if args.part in ("a", "all"):
         result = run_part_a(args.out, n_sessions=args.sessions, repeats=args.repeats)
@@ -111,12 +112,27 @@ def run(args) -> int:
               f"DP-attention)")
         result = run_part_b(args.out, deployment=args.deployment, n_requests=args.requests, instances=args.instances,
                             agent_instances=args.agent_instances, agent_duration_s=60.0 * args.agent_minutes,
-                            orders=args.orders, price_per_hour=args.price, workers=args.workers)
+                            orders=args.orders, price_per_hour=args.price, workers=args.workers,
+                            tune=tune_grid(args.tune))
         print(part_b_table(result))
         print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'} "
               f"({result['run_wall_s']:.0f} s wall)")
         ok = ok and all(r["goodput"] > 0 for r in result["rows"] if r["policy"] != "none")
     return 0 if ok else 1
+
+
+TUNE_CHOICES = ("none", "chat", "all")
+def tune_grid(which: str) -> dict | None:
+    """``--tune``'s grids for :func:`kimilab.experiment.scale.run_part_b`: the step token budget over
+    2K-16K x ``max_num_seqs`` 256 or 1,024 (:mod:`kimilab.experiment.tuning`), on chat ("chat") or on
+    both workloads ("all"); "none": the deployment's own setting."""
+    from kimilab.experiment.tuning import BUDGETS, SEQS
+
+    if which not in TUNE_CHOICES:
+        raise ValueError(f"tune={which!r}: expected one of {list(TUNE_CHOICES)}")
+    grid = (BUDGETS, SEQS)
+    return {"none": None, "chat": {"conversation": grid},
+            "all": {"conversation": grid, "agents": grid}}[which]
 
 
 def add_arguments(parser) -> None:
@@ -143,6 +159,9 @@ def add_arguments(parser) -> None:
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,
                         help="part B: assumed dollars per accelerator-hour")
+    parser.add_argument("--tune", default="chat", choices=TUNE_CHOICES,
+                        help="part B: tune each variant's max_batched_tokens (2K-16K) and max_num_seqs on order 0 "
+                             "of this workload before measuring it (all: chat and agents, each on its own)")
     from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
 
     parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT.name, choices=sorted(DEPLOYMENTS),

@@ -6,7 +6,8 @@ deployment's step times and each device's real HBM as the pool:
 
 * **conversation** (the real Mooncake trace, open loop at its own timestamps divided by a
   rate scale): the highest scale ``instances`` instances serve within
-  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (TTFT p99 <= 30 s, per-token TBT p99 <= 100 ms), as
+  :data:`~kimilab.fleet.goodput.MOONCAKE_SLO` (TTFT p99 <= 30 s, per-token TBT p99 <= 100 ms, and a
+  steady state: after a 10% warm-up, the median TTFT grows by at most 30 s per hour of arrivals), as
   requests/s per instance, and dollars per million output tokens for the fleet at that load;
 * **agents** (the real Claude Code sessions, closed loop: each request a recorded think
   time after the reply it waited for): the most concurrent sessions ``agent_instances``
@@ -21,6 +22,9 @@ trace's own timestamps). In each order the load is found by
 :func:`~kimilab.fleet.goodput.scan_capacity` (scan a grid, then confirm), which does not
 assume that pass/fail is monotone in the load. :func:`compare` calls a gap no larger than
 the spread a tie.
+
+With ``tune``, each variant is first tuned as a serving engineer tunes it (:func:`tune_variant`: the
+step token budget and ``max_num_seqs``, on order 0), then measured in every order at its best setting.
 
 Each variant's row carries its ratio to the strong baseline (``ends`` + ``prefix-affinity``).
 Everything is deterministic except the wall-clock fields, whose names end in ``_wall_s``.
@@ -38,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from kimilab import costs
+from kimilab.experiment import tuning
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import Fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
@@ -47,7 +52,7 @@ from kimilab.traffic import CLAUDE_CODE, MOONCAKE_CONVERSATION, load_sessions, l
 from kimilab.validate import check_float, check_int
 
 __all__ = ["TRACE_PATH", "SESSIONS_PATH", "ORDERS", "no_reuse", "arrival_order", "cost_per_m_output", "Spread",
-           "compare", "conversation_goodput", "agent_capacity", "variant_rows", "run_part_b", "VARIANTS",
+           "compare", "conversation_goodput", "agent_capacity", "tune_variant", "variant_rows", "run_part_b", "VARIANTS",
            "VARIANT_NAMES", "Variant"]
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -144,20 +149,31 @@ def _sessions(path: str) -> tuple:
     return tuple(tuple(s) for s in session_turns(load_sessions(path)))
 
 
-def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | None = None):
+SCHEDULER_KNOBS = ("max_batched_tokens", "max_num_seqs")  # what a serving engineer tunes (tuning.tune)
+
+
+def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | None = None,
+           scheduler: dict | None = None):
     """The variant's model, deployment (``deployment`` replaces the tensor-parallel one; ``kernels``
-    replaces its kernel numbers, e.g. a member of the band's ensemble), policy, pool."""
+    replaces its kernel numbers, e.g. a member of the band's ensemble; ``scheduler`` sets its
+    ``max_batched_tokens`` and ``max_num_seqs``), policy, pool."""
     dep_name = deployment if deployment and v.deployment == costs.DEFAULT_DEPLOYMENT.name else v.deployment
     cfg, dep = model_of(v.model), costs.deployment(dep_name)
     if kernels is not None:
         dep = dep.with_(kernels=kernels)
+    if scheduler:
+        bad = sorted(set(scheduler) - set(SCHEDULER_KNOBS))
+        if bad:
+            raise ValueError(f"scheduler: unknown field(s) {bad}; expected a subset of {list(SCHEDULER_KNOBS)}")
+        dep = dep.with_(**{k: check_int(f"scheduler[{k!r}]", x, 1) for k, x in scheduler.items()})
     policy = "kv-only" if v.policy == "none" else v.policy  # unique ids: nothing hits, states never matter
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
 
 def _base_row(v: Variant, workload: str, dep, instances: int) -> dict:
     return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
-            "router": v.router, "deployment": dep.name, "instances": instances}
+            "router": v.router, "deployment": dep.name, "instances": instances,
+            "scheduler": {k: getattr(dep, k) for k in SCHEDULER_KNOBS}}
 
 
 def _order(k: int, scan, load_key: str, goodput: float, priced_: dict | None, extra: dict) -> dict:
@@ -200,10 +216,12 @@ def _summary(row: dict, per: list[dict], results: list, slo, t0: float) -> dict:
 def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances: int = 8,
                          price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
-                         orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None) -> dict:
+                         orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
+                         scheduler: dict | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
-    apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max."""
-    cfg, dep, policy, cap = _setup(v, deployment, kernels)
+    apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
+    ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting)."""
+    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -215,7 +233,7 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
 
         def run(scale, timed=timed):
             return run_fleet(timed, cfg, deployment=dep, instances=instances, router=v.router, capacity_tokens=cap,
-                             rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, timed))
+                             rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, timed, rate_scale=scale))
 
         scan = scan_capacity(run, slo, rate_grid(start, rel_tol), start=start, confirm=confirm)
         res, extra, p = scan.result, {}, None
@@ -232,12 +250,14 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
 def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, orders: int = ORDERS,
                    price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
-                   part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None) -> dict:
+                   part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
+                   scheduler: dict | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
-    i % m == r (the shipped file's two halves: (0, 2) and (1, 2))."""
-    cfg, dep, policy, cap = _setup(v, deployment, kernels)
+    i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
+    :func:`conversation_goodput`."""
+    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -272,10 +292,43 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
     return _summary(row, per, results, slo, t0)
 
 
+def tune_variant(name: str, workload: str, kwargs: dict, *, budgets=tuning.BUDGETS,
+                 seqs=tuning.SEQS) -> tuning.Tuned:
+    """The variant's best scheduler setting on ``workload`` (:func:`kimilab.experiment.tuning.tune` over
+    ``budgets`` x ``seqs``), each point the goodput of order 0 alone (``kwargs`` as for the workload's
+    function): tune on one order, then compare on all of them."""
+    fn = conversation_goodput if workload == "conversation" else agent_capacity
+    v = variant(name)
+    return tuning.tune(lambda changes: fn(v, **dict(kwargs, orders=1, scheduler=changes))["goodput"],
+                budgets=budgets, seqs=seqs)
+
+
+# Tuning runs where a serving engineer tunes: one instance, on a slice of the traffic (every grid
+# point is a whole capacity search). The fleet is then measured at the setting found.
+TUNE_REQUESTS = 2400  # chat: the trace's first requests (chapter 11 shows the goodput has settled there)
+TUNE_WINDOW_S = 240.0  # agents: each closed-loop replay's window
+
+
+def _tuning_kwargs(workload: str, kwargs: dict) -> dict:
+    """``kwargs`` moved to one instance and a slice of the traffic, for :func:`tune_variant`."""
+    if workload == "conversation":
+        n = kwargs.get("n_requests")
+        return dict(kwargs, instances=1, n_requests=TUNE_REQUESTS if n is None else min(n, TUNE_REQUESTS))
+    return dict(kwargs, instances=1, duration_s=min(kwargs.get("duration_s", TUNE_WINDOW_S), TUNE_WINDOW_S),
+                start=16)
+
+
 def _job(job: tuple) -> dict:
     workload, name, kwargs = job
+    kwargs = dict(kwargs)
+    grid = kwargs.pop("tune", None)
     fn = conversation_goodput if workload == "conversation" else agent_capacity
-    return fn(variant(name), **kwargs)
+    if grid is None:
+        return fn(variant(name), **kwargs)
+    tuned = tune_variant(name, workload, _tuning_kwargs(workload, kwargs), budgets=grid[0], seqs=grid[1])
+    row = fn(variant(name), **dict(kwargs, scheduler=tuned.changes))
+    row["tuning"] = [{**r, "value": round(r["value"], 6)} for r in tuned.rows]
+    return row
 
 
 def variant_rows(variants, kw: dict, *, workers: int | None = None) -> list[dict]:
@@ -342,10 +395,12 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                seeds: int | None = None, price_per_hour: float = 2.0, rel_tol: float = 0.1, variants=None,
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
-               sessions: Path | str | None = None) -> dict:
+               sessions: Path | str | None = None, tune: dict | None = None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
-    ``sessions`` replace the shipped files."""
+    ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
+    scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
+    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
     instances = check_int("instances", instances, 1)
@@ -365,6 +420,10 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
           "agents": {"instances": agent_instances, "duration_s": agent_duration_s, "orders": orders,
                      "price_per_hour": price_per_hour, "rel_tol": rel_tol, "start": 16 * agent_instances,
                      "deployment": deployment, "confirm": confirm, "sessions_path": str(sessions)}}
+    for w, grid in (tune or {}).items():
+        if w not in workloads or not isinstance(grid, (tuple, list)) or len(grid) != 2:
+            raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
+        kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
     t0 = time.perf_counter()
     rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers)
     from kimilab.experiment.results import _version

@@ -7,7 +7,7 @@ from kimilab.config import kimi_linear_48b
 from kimilab.experiment.variants import BASELINE, model_of
 from kimilab.fleet.goodput import AGENT_SLO, MOONCAKE_SLO
 
-__all__ = ["assumptions", "part_b_table", "PART_B_COLUMNS", "part_b_rows", "part_b_cells", "part_b_notes"]
+__all__ = ["assumptions", "scheduler_label", "part_b_table", "PART_B_COLUMNS", "part_b_rows", "part_b_cells", "part_b_notes"]
 
 
 def assumptions(*, n_requests: int, instances: int, agent_instances: int, agent_duration_s: float, seeds: int,
@@ -50,9 +50,19 @@ def _f(x, fmt: str) -> str:
 
 
 # per instance: chat in requests/s, agents in concurrent sessions; "x": the ratio to the baseline's;
-# "$/M": USD per million output tokens; "busy": the fraction of the time the chat instance stepped
-PART_B_COLUMNS = ("variant", "chat", "chat x", "chat $/M", "busy", "agents", "agents x", "agents $/M")
-_PART_B_FORMATS = (".3f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f")
+# "$/M": USD per million output tokens; "busy": the fraction of the time the chat instance stepped;
+# "sched": the chat row's step token budget (max_batched_tokens, in K) / max_num_seqs
+PART_B_COLUMNS = ("variant", "sched", "chat", "chat x", "chat $/M", "busy", "agents", "agents x", "agents $/M")
+_PART_B_FORMATS = ("s", ".3f", ".2f", ".2f", ".2f", ".2f", ".2f", ".2f")
+
+
+def scheduler_label(row: dict) -> str | None:
+    """A row's scheduler setting, short: "8K/1024" (step token budget in K tokens / max_num_seqs)."""
+    s = row.get("scheduler")
+    if not s:
+        return None
+    b = s["max_batched_tokens"]
+    return f"{b // 1024}K/{s['max_num_seqs']}" if b % 1024 == 0 else f"{b}/{s['max_num_seqs']}"
 
 
 def part_b_rows(result: dict) -> list[tuple]:
@@ -64,7 +74,8 @@ def part_b_rows(result: dict) -> list[tuple]:
     out = []
     for n in dict.fromkeys(r["variant"] for r in rows):
         c, a = conv.get(n, {}), agent.get(n, {})
-        out.append((n + (" (baseline)" if n == result["baseline"] else ""), c.get("goodput"), c.get("goodput_ratio"),
+        out.append((n, scheduler_label(c or a),  # the baseline is named under the table (x = 1.00)
+                    c.get("goodput"), c.get("goodput_ratio"),
                     c.get("usd_per_m_output"), c.get("busy_fraction"), a.get("goodput"), a.get("goodput_ratio"),
                     a.get("usd_per_m_output")))
     return out
@@ -84,13 +95,19 @@ def part_b_notes(result: dict) -> list[str]:
             f"instances, {ag['window_s']:g} s windows x {ag['seeds']} session orders, {ag['slo']}. "
             f"Each instance: {cfg['deployment']}; ${cfg['price_usd_per_accelerator_hour']:g} per "
             f"accelerator-hour. Baseline: {BASELINE}.")
-    return [head] + list(cfg["notes"])
+    notes = list(cfg["notes"])
+    tuned = sorted({r["workload"] for r in result["rows"] if r.get("tuning")})
+    if tuned:
+        notes.append("scheduler tuned per variant on " + " and ".join(tuned) + ": every (max_batched_tokens, "
+                     "max_num_seqs) of the grid in part_b.json's 'tuning' measured on order 0, each variant then "
+                     "measured in every order at its best (column sched: the chat row's setting)")
+    return [head] + notes
 
 
 def part_b_table(result: dict) -> str:
     """Markdown: one row per variant, both workloads side by side, ratios to the strong baseline."""
-    lines = ["| variant | chat: req/s per instance | x baseline | $/M out | busy | agents: sessions per instance "
-             "| x baseline | $/M out |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | sched | chat: req/s per instance | x baseline | $/M out | busy | agents: sessions per "
+             "instance | x baseline | $/M out |", "|---|---|---|---|---|---|---|---|---|"]
     for cells in part_b_cells(result):
         lines.append("| " + " | ".join(cells) + " |")
     head, *notes = part_b_notes(result)
