@@ -42,12 +42,12 @@ from kimilab.costs.ensemble import AXES, Band, Member, band, member_deployments,
 from kimilab.costs.inputs import inputs
 from kimilab.costs.memory import cache_budget_bytes, capacity_tokens, max_batch
 from kimilab.costs.parallel import (
-    check_pair, device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
+    device_linear_flops, device_weight_bytes, device_weight_bytes_read, kv_heads_per_device,
     requests_on_busiest_device, state_heads_per_device,
 )
 from kimilab.costs.roofline import DecodePoint, decode_crossover_tokens, decode_point, summary
-from kimilab.costs.steptime import (linear_seconds, 
-    StepTimer, StepWork, checkpoint_write_seconds, decode_step_seconds, prefill_chunks, prefill_seconds,
+from kimilab.costs.steptime import (
+    linear_seconds, StepTimer, StepWork, checkpoint_write_seconds, decode_step_seconds, prefill_chunks, prefill_seconds,
     prefill_seconds_saved, step_seconds, step_work,
 )
 from kimilab.costs.vllm_pages import VllmHybridPages, vllm_hybrid_pages, vllm_pages_of

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from kimilab.validate import check_float, check_int
+from kimilab.validate import check_float
 
 __all__ = ["LOW_S", "HIGH_S", "PER_DECADE", "N_BINS", "bin_of", "bin_values", "GapHistogram", "GapLog"]
 

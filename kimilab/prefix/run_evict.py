@@ -10,6 +10,10 @@ stays first while its tail is trimmed -- :meth:`RunEviction._trim` takes them in
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the run tree's node types, for the annotations only (runs.py imports this mixin)
+    from kimilab.prefix.runs import _Checkpoint, _Run
 
 __all__ = ["RunEviction"]
 
