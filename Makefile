@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student grade classroom experiment test fuzz lab sync bench parity clean
+.PHONY: setup book html student grade classroom experiment test lint fuzz lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ grade: $(STAMP)
 # results/part_b.{json,md} (48B sizes, fleet simulator on the real trace).
 experiment: $(STAMP)
 	$(BIN)/python -m kimilab experiment --out results
+
+# The linter over the package, the tests, the benchmarks and the chapters' sources (pyproject.toml
+# [tool.ruff] says which rules and why); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check kimilab tests bench chapters/*.py
 
 # Unit + property tests, then strict nbval over every executed chapter.
 test: $(STAMP)

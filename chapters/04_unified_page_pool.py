@@ -481,8 +481,11 @@ def line_style(name):  # the house colour per layout; split ratios as shades of 
             "label": f"{plots.label('split')}, state:KV = {r}"}
 
 
+def smooth(y):  # a 0.5 s moving average, for readability
+    return np.convolve(y, np.ones(25) / 25, mode="same")
+
+
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8.0, 6.6), sharex=True)
-smooth = lambda y: np.convolve(y, np.ones(25) / 25, mode="same")  # 0.5 s moving average, for readability
 for name, res in runs.items():
     ax1.plot(res.time_ms / 1000, smooth(res.running), **line_style(name))
     ax2.plot(res.time_ms / 1000, 100 * smooth(res.utilisation), **line_style(name))

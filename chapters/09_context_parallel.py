@@ -546,10 +546,10 @@ rows = []
 for layout, cut in (("contiguous", {"ranks": 4}), ("zigzag", {"ranks": 4}), ("zigzag", {"bounds": [0, 1, 3, 80, 128]})):
     stats = []
     logits, cache = cp.context_parallel_prefill(model, prompt, **cut, layout=layout, stats=stats)
-    state_diff = max(np.abs(cache.kda_state(l.index) - ref_cache.kda_state(l.index)).max()
-                     for l in model.layers if l.kind == "K")
-    kv_diff = max(np.abs(a - b).max() for l in model.layers if l.kind == "A"
-                  for a, b in zip(cache.kv(l.index), ref_cache.kv(l.index)))
+    state_diff = max(np.abs(cache.kda_state(layer.index) - ref_cache.kda_state(layer.index)).max()
+                     for layer in model.layers if layer.kind == "K")
+    kv_diff = max(np.abs(a - b).max() for layer in model.layers if layer.kind == "A"
+                  for a, b in zip(cache.kv(layer.index), ref_cache.kv(layer.index)))
     w = [s["score_entries"] for s in stats]
     rows.append((layout, str(cut.get("bounds", "4 even")), np.abs(logits - ref_logits).max(), state_diff, kv_diff,
                  " ".join(map(str, w)), max(w) / np.mean(w)))

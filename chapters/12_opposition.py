@@ -1095,7 +1095,7 @@ verdicts = {
         pays=f"ends: everywhere in both sweeps; every-block: everywhere on {DEP.name}",
         loss=(f"every-block on one-h200 from x{span(eb_one)} of the trace's rate "
               f"({len(eb_one)} of {len(WINDOWS)} windows)" if eb_one else "none found in the sweep"),
-        band=f"grid brackets over 3 windows; at the kernel band's ends (window 0): " + ", ".join(
+        band="grid brackets over 3 windows; at the kernel band's ends (window 0): " + ", ".join(
             f"{e} {span([x], pre='from x')}" for e, x in eb_ends.items())
              + f"; {ends_label({e: (x is None) == (not eb_one) for e, x in eb_ends.items()})}"),
     "speculative decoding": dict(

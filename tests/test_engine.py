@@ -236,9 +236,9 @@ class _Probe:
                 continue
             assert e.cache_pages == ReferenceEngine.cache_pages.fget(e)
             assert e.prefill_backlog == ReferenceEngine.prefill_backlog.fget(e)
-            decoders = [l for l in e.running if l.done >= l.ctx]
-            assert e._n_dec == len(decoders) and all(l.decoding_now for l in decoders)
-            assert e._ctx_base + e._n_dec * e._G == sum(l.req.input_length + l.gen0 + e._G - l.g0 for l in decoders)
+            decoders = [live for live in e.running if live.done >= live.ctx]
+            assert e._n_dec == len(decoders) and all(live.decoding_now for live in decoders)
+            assert e._ctx_base + e._n_dec * e._G == sum(live.req.input_length + live.gen0 + e._G - live.g0 for live in decoders)
         return False
 
 

@@ -33,7 +33,7 @@ def _alone(model: Model, req) -> list[int]:
 
 
 def _check_exact(model: Model, engine: Engine, outputs: dict, requests) -> None:
-    refused = [l.req.request_id for l in engine.refused]
+    refused = [live.req.request_id for live in engine.refused]
     assert sorted(list(outputs) + refused) == sorted(r.request_id for r in requests), "each finishes once"
     for r in requests:
         if r.request_id in outputs:
@@ -72,7 +72,7 @@ def _accounting(requests, **kw) -> Engine:
 def _same_decisions(a: Engine, b: Engine) -> None:
     """The same decisions at the same simulated times: Finished records equal field for field."""
     assert a.finished == b.finished
-    assert [l.req.request_id for l in a.refused] == [l.req.request_id for l in b.refused]
+    assert [live.req.request_id for live in a.refused] == [live.req.request_id for live in b.refused]
     assert (a.preemptions, a.n_steps, a.clock, a.busy) == (b.preemptions, b.n_steps, b.clock, b.busy)
 
 

@@ -139,8 +139,8 @@ def test_transition_of_whole_equals_composition_and_identity():
     M, C = kda.segment_transition(k, v, g, beta, chunk_size=16)
     _, s = kda.chunk_kda(q, k, v, g, beta, initial_state=S0)
     assert maxdiff(kda.apply_transition(M, C, S0), s) <= 1e-10
-    I, Z = kda.identity_transition(2, 6, 5)
-    M2, C2 = kda.compose_transitions((I, Z), (M, C))
+    eye, Z = kda.identity_transition(2, 6, 5)
+    M2, C2 = kda.compose_transitions((eye, Z), (M, C))
     assert maxdiff(M2, M) == 0 and maxdiff(C2, C) == 0
 
 

@@ -77,7 +77,7 @@ class DecodeClock:
             entry = heapq.heappop(heap)
             if self._valid(entry):
                 out.append(entry[3])
-        out.sort(key=lambda l: l.seq)
+        out.sort(key=lambda live: live.seq)
         return out
 
     def _top(self, heap: list) -> int | None:

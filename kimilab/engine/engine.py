@@ -285,7 +285,7 @@ class Engine(DecodeClock):
     def _admit_from_queue(self) -> None:
         """Admit queued requests while the batch, the token budget and the pool allow."""
         running, queue, prefilling = self.running, self.queue, self._prefilling
-        pending = sum(l.ctx - l.done for l in prefilling)
+        pending = sum(live.ctx - live.done for live in prefilling)
         while len(queue) and len(running) < self.max_batch and pending < self.budget:
             live = queue.peek()
             if not self._admit(live):
@@ -328,14 +328,14 @@ class Engine(DecodeClock):
         n_dec = self._n_dec
         budget = self.budget - n_dec
         chunks = []
-        for l in self._prefilling:
+        for live in self._prefilling:
             if budget <= 0:
                 break
-            c = min(l.ctx - l.done, budget)
-            chunks.append((l, c))
+            c = min(live.ctx - live.done, budget)
+            chunks.append((live, c))
             budget -= c
         ctx = self._ctx_base + n_dec * G
-        pieces = [(c, l.done) for l, c in chunks]
+        pieces = [(c, live.done) for live, c in chunks]
         dt = self.timer.step(n_dec, ctx, pieces)  # one forward pass: decodes and chunks together
         k = 1
         if not chunks and (self._blocked or not len(queue)):  # nothing changes until an event: jump
@@ -346,7 +346,7 @@ class Engine(DecodeClock):
             if k > 1:  # contexts grow by one a step: time the run at its middle context
                 dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
         if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
-            self.executor.run([l for l in running if l.decoding_now], chunks, k)
+            self.executor.run([live for live in running if live.decoding_now], chunks, k)
         start = self.clock
         self.clock += k * dt
         self._record_busy(start, k * dt)
@@ -361,24 +361,24 @@ class Engine(DecodeClock):
                 if n:
                     queue.charge(tenant, output_tokens=k * n)
         done = self._due(self._done_heap, G + 1)  # decoders that made their last token
-        for l, c in chunks:
-            l.done += c
+        for live, c in chunks:
+            live.done += c
             self._backlog -= c
-            l.marked = l.cache.mark_computed(l.path, l.done, l.marked)  # others may start from here now
-            if l.done >= l.ctx:
-                if l.generated < l.req.output_length:  # the prefill's last logits: one token
-                    self._token_after_prefill(l)
-                if l.generated >= l.req.output_length:
-                    done.append(l)
+            live.marked = live.cache.mark_computed(live.path, live.done, live.marked)  # others may start from here now
+            if live.done >= live.ctx:
+                if live.generated < live.req.output_length:  # the prefill's last logits: one token
+                    self._token_after_prefill(live)
+                if live.generated >= live.req.output_length:
+                    done.append(live)
                 else:
-                    self._anchor(l)
+                    self._anchor(live)
         if chunks:
-            self._prefilling = [l for l in self._prefilling if l.done < l.ctx]
-        done.sort(key=lambda l: l.seq)
-        for l in done:
-            if l.first_token_s is None:  # asked for no tokens: done when its prefill is
-                l.first_token_s = self.clock
-            self._finish(l)
+            self._prefilling = [live for live in self._prefilling if live.done < live.ctx]
+        done.sort(key=lambda live: live.seq)
+        for live in done:
+            if live.first_token_s is None:  # asked for no tokens: done when its prefill is
+                live.first_token_s = self.clock
+            self._finish(live)
         return True
 
     def _token_after_prefill(self, live: Live) -> None:

@@ -21,17 +21,17 @@ class ReferenceEngine(Engine):
 
     @property
     def cache_pages(self) -> int:
-        return self.memory.pool.n_used + sum(l.req.input_length // self.block for l in self.queue)
+        return self.memory.pool.n_used + sum(live.req.input_length // self.block for live in self.queue)
 
     @property
     def prefill_backlog(self) -> int:
-        return (sum(l.req.input_length + l.generated for l in self.queue)
-                + sum(l.ctx - l.done for l in self.running if l.done < l.ctx))
+        return (sum(live.req.input_length + live.generated for live in self.queue)
+                + sum(live.ctx - live.done for live in self.running if live.done < live.ctx))
 
     def _step(self, until: float) -> bool:
         running, queue = self.running, self.queue
         if not self._blocked:
-            pending = sum(l.ctx - l.done for l in running if l.done < l.ctx)
+            pending = sum(live.ctx - live.done for live in running if live.done < live.ctx)
             while len(queue) and len(running) < self.max_batch and pending < self.budget:
                 live = queue.peek()
                 if not self._admit(live):
@@ -57,22 +57,22 @@ class ReferenceEngine(Engine):
         for live in list(running):
             if live.done >= live.ctx and live in running:
                 self._grow(live)
-        decoders = [l for l in running if l.done >= l.ctx]
+        decoders = [live for live in running if live.done >= live.ctx]
         budget = self.budget - len(decoders)
         chunks = []
-        for l in running:
-            if l.done < l.ctx and budget > 0:
-                c = min(l.ctx - l.done, budget)
-                chunks.append((l, c))
+        for live in running:
+            if live.done < live.ctx and budget > 0:
+                c = min(live.ctx - live.done, budget)
+                chunks.append((live, c))
                 budget -= c
         n_dec = len(decoders)
-        ctx = sum(l.req.input_length + l.generated for l in decoders)
-        pieces = [(c, l.done) for l, c in chunks]
+        ctx = sum(live.req.input_length + live.generated for live in decoders)
+        pieces = [(c, live.done) for live, c in chunks]
         dt = self.timer.step(n_dec, ctx, pieces)
         k = 1
         if not chunks and (self._blocked or not len(queue)):
-            k = min(min(l.req.output_length - l.generated,
-                        l.base + l.own_tokens - l.req.input_length - l.generated) for l in decoders)
+            k = min(min(live.req.output_length - live.generated,
+                        live.base + live.own_tokens - live.req.input_length - live.generated) for live in decoders)
             if until != math.inf:
                 k = min(k, max(1, math.ceil((until - self.clock) / dt)))
             k = max(k, 1)
@@ -88,17 +88,17 @@ class ReferenceEngine(Engine):
             self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
         if n_dec:
             self.gaps.add_run(start, dt, k, n_dec)
-        for l in decoders:
-            l.generated += k
-        for l, c in chunks:
-            l.done += c
-            l.marked = l.cache.mark_computed(l.path, l.done, l.marked)
-            if l.done >= l.ctx and l.generated < l.req.output_length:
-                self._token_after_prefill(l)
-        for l in decoders:
-            self.queue.charge(l.req.tenant, output_tokens=k)
-        for l in [l for l in running if l.done >= l.ctx and l.generated >= l.req.output_length]:
-            if l.first_token_s is None:
-                l.first_token_s = self.clock
-            self._finish(l)
+        for live in decoders:
+            live.generated += k
+        for live, c in chunks:
+            live.done += c
+            live.marked = live.cache.mark_computed(live.path, live.done, live.marked)
+            if live.done >= live.ctx and live.generated < live.req.output_length:
+                self._token_after_prefill(live)
+        for live in decoders:
+            self.queue.charge(live.req.tenant, output_tokens=k)
+        for live in [live for live in running if live.done >= live.ctx and live.generated >= live.req.output_length]:
+            if live.first_token_s is None:
+                live.first_token_s = self.clock
+            self._finish(live)
         return True
