@@ -174,3 +174,47 @@ def test_a_bundle_notebook_runs_to_its_first_exercise_and_stops_there(path, stud
     with pytest.raises(CellExecutionError) as err:
         client.execute()
     assert err.value.ename == "NotImplementedError" and f"exercise {first}" in err.value.evalue
+
+
+def _notebook(path: Path, *cells: str, title: str = "# 1. The naive KV cache") -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(title)] + [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.classroom
+def test_one_submission_cannot_stop_the_class_or_write_a_formula(tmp_path):
+    """A kernel that dies, a cell that hangs, a file that is no notebook, a notebook with no verify
+    call, and a forged log line carrying a spreadsheet formula: every notebook still gets its rows
+    (with the reason), grading goes on, and the CSV has each row as it was graded, escaped."""
+    from kimilab.classroom.grade import grade
+
+    sub = tmp_path / "class"
+    imp = "from kimilab.exercises import verify"
+    _notebook(sub / "a_dies.ipynb", imp, 'verify("1.1", 0)', "import os\nos._exit(1)", 'verify("1.2", 0)')
+    _notebook(sub / "b_hangs.ipynb", imp, "while True:\n    pass", 'verify("1.1", 0)')
+    (sub / "c_garbage.ipynb").write_text("not a notebook")
+    _notebook(sub / "d_no_verify.ipynb", "x = 1")
+    forged = ('import json, os\nwith open(os.environ["KIMILAB_GRADE_LOG"], "a") as f:\n'
+              '    f.write("not json\\n" + json.dumps({"id": "1.1", "status": "wrong", "message": "=HYPERLINK(1)"}) '
+              '+ "\\n")')
+    _notebook(sub / "e_formula.ipynb", forged)
+    out, lines = tmp_path / "grades.csv", []
+    rows = grade([sub], out, timeout=5, echo=lines.append)
+    assert len(lines) == 5 and lines[-1].startswith("[5/5] ")
+    by = {(Path(r["notebook"]).stem, r["exercise"]): r for r in rows}
+    assert by["a_dies", "1.1"]["status"] == "wrong"
+    assert by["a_dies", "1.2"]["status"] == "error" and "kernel died" in by["a_dies", "1.2"]["message"]
+    assert by["b_hangs", "1.1"]["status"] == "error" and "5 s limit" in by["b_hangs", "1.1"]["message"]
+    assert by["c_garbage", ""]["status"] == "error" and "not a readable notebook" in by["c_garbage", ""]["message"]
+    no_verify = [r for r in rows if Path(r["notebook"]).stem == "d_no_verify"]
+    assert no_verify and {r["status"] for r in no_verify} == {"not run"} and {r["points"] for r in no_verify} == {0}
+    assert {r["exercise"] for r in no_verify} == {r["exercise"] for r in rows if Path(r["notebook"]).stem == "a_dies"}
+    with open(out, newline="") as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == len(rows)
+    assert next(r for r in written if r["notebook"].endswith("e_formula.ipynb") and r["exercise"] == "1.1")[
+        "message"] == "'=HYPERLINK(1)"

@@ -10,10 +10,15 @@ checked exercise of its chapter:
 ``notebook, chapter, exercise, status, points, message``
 
 ``status`` is ``correct``, ``wrong``, ``unanswered`` (the stub is still there, or the
-answer is ``None``), ``error`` (the ``verify`` cell raised; the message says what) or
-``not run`` (no ``verify`` call for it executed). ``points`` is 1 for correct, else 0.
-Students' code runs with the grader's permissions: grade in a throwaway container or
-account.
+answer is ``None``), ``error`` (the ``verify`` cell raised, the kernel died or a cell ran
+past the time limit; the message says what) or ``not run`` (no ``verify`` call for it
+executed, or the notebook has none). ``points`` is 1 for correct, else 0.
+
+One submission cannot stop the class: a notebook that cannot be read, kills its kernel or
+hangs gets its rows with the reason, and grading goes on; each notebook's rows reach the
+CSV as soon as it is graded. A cell that begins with ``= + - @`` is written with a leading
+quote, so no spreadsheet runs a student's text as a formula. Students' code still runs
+with the grader's permissions: grade in a throwaway container or account.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["FIELDS", "find_notebooks", "grade_notebook", "grade"]
+__all__ = ["FIELDS", "find_notebooks", "grade_notebook", "grade", "csv_safe"]
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("notebook", "chapter", "exercise", "status", "points", "message")
@@ -44,12 +50,49 @@ def find_notebooks(paths: list[str | Path]) -> list[Path]:
     return found
 
 
-def _chapter(nb) -> int | None:
+_TITLE = re.compile(r"^#\s+(\d+)\.\s", re.M)
+_FILE = re.compile(r"^(\d\d)_")
+
+
+def _chapter(nb, path: Path | None = None) -> int | None:
+    """The chapter a notebook answers: the one most of its ``verify`` calls name, else its title's
+    number ("# 11. ..."), else its file name's ("11_..."); None if nothing says."""
     from kimilab.classroom.student import VERIFY
 
     ids = [m.group(1) for c in nb.cells if c.cell_type == "code" for m in VERIFY.finditer(c.source)]
     counts = Counter(int(i.split(".")[0]) for i in ids)
-    return counts.most_common(1)[0][0] if counts else None
+    if counts:
+        return counts.most_common(1)[0][0]
+    title = next((m for c in nb.cells if c.cell_type == "markdown" for m in [_TITLE.search(c.source)] if m), None)
+    if title:
+        return int(title.group(1))
+    m = _FILE.match(path.name) if path is not None else None
+    return int(m.group(1)) if m else None
+
+
+def _verdicts(log: Path) -> dict[str, dict]:
+    """The verdicts the kernel appended, by exercise id; a line that is not one (malformed, or
+    without the fields) is skipped rather than trusted or fatal."""
+    out = {}
+    if not log.exists():
+        return out
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            v = json.loads(line)
+            out[str(v["id"])] = {"status": str(v["status"]), "message": str(v.get("message", ""))}
+        except (ValueError, TypeError, KeyError, RecursionError):
+            continue
+    return out
+
+
+def _stopped(err: Exception, timeout: int) -> str:
+    """Why a notebook's run ended early, in one line."""
+    name = type(err).__name__
+    if name == "CellTimeoutError":
+        return f"a cell ran past the {timeout} s limit; the notebook was stopped there"
+    if name == "DeadKernelError":
+        return "the kernel died (the notebook exited or ran out of memory); the rest did not run"
+    return f"the notebook stopped: {name}: {' '.join(str(err).split())[:160]}"
 
 
 def _errors(nb) -> tuple[dict[str, str], dict[str, str]]:
@@ -81,9 +124,11 @@ def grade_notebook(path: Path, *, timeout: int = 600) -> list[dict]:
     try:
         nb = nbformat.read(path, as_version=4)
     except Exception as err:  # nbformat raises several kinds for a file that is not a notebook
-        raise ValueError(f"{path}: not a readable notebook ({type(err).__name__})") from err
-    chapter = _chapter(nb)
+        return [{"notebook": str(path), "chapter": "", "exercise": "", "status": "error", "points": 0,
+                 "message": f"not a readable notebook ({type(err).__name__})"}]
+    chapter = _chapter(nb, path)
     expected = [i for i in all_exercises() if chapter is not None and int(i.split(".")[0]) == chapter]
+    stopped = None
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "verdicts.jsonl"
         saved = {k: os.environ.get(k) for k in (GRADE_LOG_ENV, "KIMILAB_FIGURES")}
@@ -91,14 +136,12 @@ def grade_notebook(path: Path, *, timeout: int = 600) -> list[dict]:
         try:
             NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                            resources={"metadata": {"path": str(ROOT / "chapters")}}).execute()
+        except Exception as err:  # a dead or hung kernel ends this notebook, not the class
+            stopped = _stopped(err, timeout)
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        verdicts = {}
-        if log.exists():
-            for line in log.read_text(encoding="utf-8").splitlines():
-                v = json.loads(line)
-                verdicts[v["id"]] = v
+        verdicts = _verdicts(log)
     stubs, errors = _errors(nb)
     rows = []
     for ex in expected + sorted(set(verdicts) - set(expected)):
@@ -108,6 +151,8 @@ def grade_notebook(path: Path, *, timeout: int = 600) -> list[dict]:
             status, message = verdicts[ex]["status"], verdicts[ex]["message"]
         elif ex in errors:
             status, message = "error", errors[ex]
+        elif stopped:
+            status, message = "error", stopped
         else:
             status, message = "not run", "no verify call for it ran"
         rows.append({"notebook": str(path), "chapter": chapter or "", "exercise": ex, "status": status,
@@ -115,19 +160,30 @@ def grade_notebook(path: Path, *, timeout: int = 600) -> list[dict]:
     return rows
 
 
+def csv_safe(value):
+    """A cell as written to the CSV: text that a spreadsheet would run as a formula (it begins
+    with = + - @, a tab or a carriage return) gets a leading quote; numbers pass as they are."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 def grade(paths: list[str | Path], out: Path, *, timeout: int = 600, echo=print) -> list[dict]:
-    """Grade every notebook found under ``paths`` and write the CSV ``out``; returns the rows."""
+    """Grade every notebook found under ``paths``, writing each one's rows to the CSV ``out`` as it
+    finishes (so a crash later loses nothing graded); returns the rows."""
     notebooks = find_notebooks(paths)
     if not notebooks:
         raise ValueError(f"{' '.join(map(str, paths))}: no notebooks found")
     rows = []
-    for path in notebooks:
-        mine = grade_notebook(path, timeout=timeout)
-        echo(f"{path}: {sum(r['points'] for r in mine)}/{len(mine)} correct")
-        rows += mine
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        writer.writerows(rows)
+        f.flush()
+        for k, path in enumerate(notebooks, start=1):
+            mine = grade_notebook(path, timeout=timeout)
+            writer.writerows({key: csv_safe(v) for key, v in r.items()} for r in mine)
+            f.flush()
+            echo(f"[{k}/{len(notebooks)}] {path}: {sum(r['points'] for r in mine)}/{len(mine)} correct")
+            rows += mine
     return rows
