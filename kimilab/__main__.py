@@ -62,12 +62,22 @@ def _add_deployment(parser) -> None:
                         help="the named deployment every byte (per device) and second is priced on")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kimilab")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> _Parser:
     from kimilab.config import PRESETS
     from kimilab.fleet.routers import ROUTERS
     from kimilab.prefix.policies import POLICIES
 
     top = _Parser(prog="python -m kimilab", description=__doc__.splitlines()[0])
+    top.add_argument("--version", action="version", version=f"kimilab {_version()}")
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prefix", help="replay a trace through a prefix cache; print one JSON object",
@@ -251,7 +261,7 @@ def _fleet(args, parser) -> int:
 
 
 def _cp(args, parser) -> int:
-    from kimilab.cp.launch import cp_input_bytes, mpi_prefill_run, mpi_run
+    from kimilab.cp.launch import MAX_CP_DIM, cp_input_bytes, machine_memory_bytes, mpi_prefill_run, mpi_run
 
     if args.model is None and args.layout != "contiguous":
         parser.error(f"--layout={args.layout}: only with --model (it is the global-attention layers' layout)")
@@ -259,11 +269,11 @@ def _cp(args, parser) -> int:
         parser.error(f"--dim={args.dim}: expected at most {MAX_CP_DIM} (Kimi's heads are 128; each chunk's work "
                      "grows with dim squared)")
     need = cp_input_bytes(args.tokens, args.heads, args.dim, args.dtype, args.model)
-    if need > _memory_bytes() // 2:
+    if need > machine_memory_bytes() // 2:
         states = args.model is None and cp_input_bytes(0, args.heads, args.dim, args.dtype) > need // 2
         arg = f"--heads={args.heads} x --dim={args.dim}" if states else f"--tokens={args.tokens}"
         parser.error(f"{arg}: the inputs, outputs and states alone need {need / 2**30:.1f} GiB on each "
-                     f"rank; this machine has {_memory_bytes() / 2**30:.1f} GiB")
+                     f"rank; this machine has {machine_memory_bytes() / 2**30:.1f} GiB")
     try:
         if args.model is not None:
             out = mpi_prefill_run(args.tokens, args.model, seed=args.seed, timeout=args.timeout, layout=args.layout)
@@ -281,16 +291,6 @@ def _cp(args, parser) -> int:
     if out is not None:
         print(json.dumps(out))
     return 0
-
-
-MAX_CP_DIM = 1024  # K = V of one KDA head, for ``cp``
-
-
-def _memory_bytes() -> int:
-    """This machine's physical memory (bytes)."""
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _prefix(args, parser) -> int:

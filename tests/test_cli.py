@@ -269,3 +269,8 @@ def test_every_command_refuses_an_unchained_trace_alike(tmp_path):
         for argv in (["traces", "stats", path], ["prefix", path, "--policy", "dual", "--capacity-tokens", "inf"],
                      ["fleet", path, "--instances", "1", "--router", "least-work", "--capacity-tokens", "inf"]):
             _one_line_rc2(_run(*argv), f"{path}: {says}")
+
+
+def test_version_is_printed():
+    proc = _run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("kimilab ") and proc.stderr == ""

@@ -131,7 +131,10 @@ def test_part_b_tunes_each_variant_then_measures_it_at_its_best():
 
     grid = ((2048, 8192), (64, 1024))
     small = dict(SMALL, workloads=("conversation",))
-    got = run_part_b(variants=(BASELINE, "all-MLA fp8 TP4"), tune={"conversation": grid}, **small)
+    said = []
+    got = run_part_b(variants=(BASELINE, "all-MLA fp8 TP4"), tune={"conversation": grid}, progress=said.append,
+                     **small)
+    assert len(said) == 2 and said[-1].startswith("[2/2] conversation: ") and "left)" in said[-1]
     for row in got["rows"]:
         pts = row["tuning"]
         assert [(p["max_batched_tokens"], p["max_num_seqs"]) for p in pts] == [(b, s) for b in grid[0] for s in grid[1]]

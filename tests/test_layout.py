@@ -83,3 +83,18 @@ def test_no_module_is_a_forwarding_shim_for_an_old_path():
     """The restructure moved these; nothing may stand in their old places."""
     for old in ("attention", "conv", "cache", "memory", "paged", "radix", "workloads", "admission", "checks"):
         assert not (PACKAGE / f"{old}.py").exists(), f"kimilab/{old}.py came back"
+
+
+def test_no_module_starts_processes_at_import():
+    """Process pools are imported where they are used, so every module imports where there are no
+    processes (JupyterLite's Pyodide): no top-level import of concurrent.futures or multiprocessing."""
+    import ast
+
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.relative_to(PACKAGE)}: {n}" for n in names
+                    if n.split(".")[0] in ("concurrent", "multiprocessing")]
+    assert not bad, bad

@@ -30,7 +30,10 @@ from kimilab.cp.split import balanced_weights, slices, split_bounds
 from kimilab.kda import chunk_kda
 from kimilab.validate import check_int
 
-__all__ = ["mpi_run", "mpi_prefill_run", "cp_input_bytes", "launch", "mpiexec_path", "ONE_THREAD"]
+__all__ = ["mpi_run", "mpi_prefill_run", "cp_input_bytes", "machine_memory_bytes", "MAX_CP_DIM", "launch",
+           "mpiexec_path", "ONE_THREAD"]
+
+MAX_CP_DIM = 1024  # K = V of one KDA head that ``cp`` accepts (Kimi's are 128; a chunk's work grows with K^2)
 
 # One BLAS / OpenMP thread per rank: P ranks on P cores, no oversubscription.
 ONE_THREAD = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -94,6 +97,11 @@ def mpi_run(tokens: int, heads: int = 4, dim: int = 64, dtype: str = "float32", 
             "bytes_sent_per_rank": [b for _, (b, _, _) in gathered],
             "messages_sent_per_rank": [m for _, (_, m, _) in gathered],
             "wire_bytes_sent_per_rank": [w for _, (_, _, w) in gathered]}
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (bytes): what a rank's allocations are checked against."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cp_input_bytes(tokens: int, heads: int, dim: int, dtype: str, model: str | None = None) -> int:

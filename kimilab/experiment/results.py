@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def run(args) -> int:
         result = run_part_b(args.out, deployment=args.deployment, n_requests=args.requests, instances=args.instances,
                             agent_instances=args.agent_instances, agent_duration_s=60.0 * args.agent_minutes,
                             orders=args.orders, price_per_hour=args.price, workers=args.workers,
-                            tune=tune_grid(args.tune))
+                            tune=tune_grid(args.tune),
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
         print(part_b_table(result))
         print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'} "
               f"({result['run_wall_s']:.0f} s wall)")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -331,11 +330,40 @@ def _job(job: tuple) -> dict:
     return row
 
 
-def variant_rows(variants, kw: dict, *, workers: int | None = None) -> list[dict]:
+def _run_jobs(jobs: list, workers: int, progress=None) -> list[dict]:
+    """``_job`` over ``jobs`` on ``workers`` processes, results in the jobs' order; ``progress(line)``
+    (if given) hears of each job as it finishes, with a count and an estimate of the time left."""
+    t0, done = time.perf_counter(), [None] * len(jobs)
+
+    def tell(i: int, k: int) -> None:
+        if progress is not None:
+            el = time.perf_counter() - t0
+            w, name, _ = jobs[i]
+            progress(f"[{k}/{len(jobs)}] {w}: {name}: goodput {done[i]['goodput']:.4g} "
+                     f"({el:.0f} s, about {el / k * (len(jobs) - k):.0f} s left)")
+
+    if workers <= 1:
+        for i, j in enumerate(jobs):
+            done[i] = _job(j)
+            tell(i, i + 1)
+        return done
+    from concurrent.futures import ProcessPoolExecutor, as_completed  # lazily: Pyodide has no processes
+
+    with ProcessPoolExecutor(workers) as pool:
+        futures = {pool.submit(_job, j): i for i, j in enumerate(jobs)}
+        for k, f in enumerate(as_completed(futures), start=1):
+            i = futures[f]
+            done[i] = f.result()
+            tell(i, k)
+    return done
+
+
+def variant_rows(variants, kw: dict, *, workers: int | None = None, progress=None) -> list[dict]:
     """Every variant's row on every workload of ``kw`` (workload -> the keyword arguments of
     :func:`conversation_goodput` or :func:`agent_capacity`), jobs spread over ``workers`` processes
     (the numbers do not depend on how many), each row with its ratio and :func:`compare` label
-    (``vs_baseline``) against the baseline's row of the same workload."""
+    (``vs_baseline``) against the baseline's row of the same workload. ``progress``: see
+    :func:`_run_jobs`."""
     variants = tuple(variants)
     unknown = [v for v in variants if v not in VARIANT_NAMES]
     if unknown or not variants:
@@ -355,11 +383,7 @@ def variant_rows(variants, kw: dict, *, workers: int | None = None) -> list[dict
             same.setdefault(key, name)
             jobs.append((w, name, kw[w]))
     workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
-    if workers <= 1:
-        done = [_job(j) for j in jobs]
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            done = list(pool.map(_job, jobs))
+    done = _run_jobs(jobs, workers, progress)
     by = {(r["workload"], r["variant"]): r for r in done}
     rows = []
     for name in variants:
@@ -395,12 +419,13 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                seeds: int | None = None, price_per_hour: float = 2.0, rel_tol: float = 0.1, variants=None,
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
-               sessions: Path | str | None = None, tune: dict | None = None) -> dict:
+               sessions: Path | str | None = None, tune: dict | None = None, progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
-    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting."""
+    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``progress(line)``
+    hears of each variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
     instances = check_int("instances", instances, 1)
@@ -425,7 +450,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
             raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
     t0 = time.perf_counter()
-    rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers)
+    rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers, progress=progress)
     from kimilab.experiment.results import _version
     from kimilab.experiment.tables import assumptions
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 from kimilab.config import preset
 from kimilab.fleet.fleet import run_fleet
@@ -27,5 +26,7 @@ def run_many(requests, jobs: list[dict], *, model: str = "kimi_linear_48b", work
     payload = [(requests, model, job) for job in jobs]
     if workers <= 1 or len(jobs) <= 1:
         return [_one(p) for p in payload]
+    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
+
     with ProcessPoolExecutor(workers) as pool:
         return list(pool.map(_one, payload))

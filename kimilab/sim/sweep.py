@@ -17,7 +17,6 @@ trace's future.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +149,8 @@ def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
         return {key: replay(jobs[key]) for key in keys}
     # the slowest first, so the last job to start is a short one
     order = sorted(keys, key=lambda k: -_weight(jobs[k]))
+    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
+
     with ProcessPoolExecutor(max_workers=workers) as pool:
         results = dict(zip(order, pool.map(replay, [jobs[key] for key in order], chunksize=1)))
     return {key: results[key] for key in keys}
@@ -171,6 +172,8 @@ def simulate_many(jobs: dict, *, workers: int | None = None) -> dict:
     keys = list(jobs)
     if workers == 1 or len(keys) < 2:
         return {key: _serve(jobs[key]) for key in keys}
+    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
+
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return dict(zip(keys, pool.map(_serve, [jobs[key] for key in keys], chunksize=2)))
 
