@@ -42,6 +42,7 @@ import numpy as np
 
 from kimilab import costs
 from kimilab.experiment import tuning
+from kimilab.experiment.spread import Spread, compare  # noqa: F401  (importable from here as before)
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import Fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
@@ -99,42 +100,6 @@ def arrival_order(requests, order: int) -> list:
 def cost_per_m_output(accelerator_seconds: float, price_per_hour: float, output_tokens: int) -> float:
     """Dollars per million output tokens: accelerator-hours x price / output tokens x 1e6."""
     return accelerator_seconds / 3600.0 * price_per_hour / max(int(output_tokens), 1) * 1e6
-
-
-@dataclasses.dataclass(frozen=True)
-class Spread:
-    """One number measured over several orders: its ``mean``, ``min`` and ``max``. Its *spread* is half
-    the min-max range, so the reading is mean +- spread."""
-
-    mean: float
-    min: float
-    max: float
-
-    @classmethod
-    def of(cls, values) -> "Spread":
-        values = [float(v) for v in values]
-        if not values:
-            raise ValueError("values: expected at least one")
-        return cls(float(np.mean(values)), min(values), max(values))
-
-    @classmethod
-    def from_row(cls, row: dict, key: str = "goodput") -> "Spread":
-        """A row's ``key``, ``key_min`` and ``key_max`` (a row of :func:`agent_capacity` and the like)."""
-        return cls(row[key], row.get(f"{key}_min", row[key]), row.get(f"{key}_max", row[key]))
-
-    @property
-    def spread(self) -> float:
-        return (self.max - self.min) / 2.0
-
-
-def compare(a, b, key: str = "goodput") -> str:
-    """``"higher"`` or ``"lower"`` (a against b), or ``"tie"`` when the gap between the means is no larger
-    than the larger of the two spreads (half a min-max range over orders). ``a`` and ``b``: :class:`Spread`
-    or rows holding ``key``, ``key_min``, ``key_max``."""
-    a, b = (x if isinstance(x, Spread) else Spread.from_row(x, key) for x in (a, b))
-    if abs(a.mean - b.mean) <= max(a.spread, b.spread):
-        return "tie"
-    return "higher" if a.mean > b.mean else "lower"
 
 
 @lru_cache(maxsize=4)
