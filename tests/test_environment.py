@@ -53,3 +53,18 @@ def test_versions_agree():
         m = re.match(r"^([A-Za-z0-9_\-]+)(>=[0-9.]+)$", req)
         if m and _name(m.group(1)) in _environment_names():
             assert f"{m.group(1)}{m.group(2)}" in text, f"environment.yml should pin {req} like pyproject.toml"
+
+
+def _deps(path: Path) -> list[str]:
+    text = path.read_text()
+    return [line for line in text.split("\ndependencies:\n", 1)[1].splitlines() if line.strip() != "- -e ."]
+
+
+def test_binder_builds_the_same_environment_then_installs_the_package():
+    """repo2docker builds .binder/environment.yml before the repository is copied in, so it may not
+    install `-e .`; postBuild does that. Otherwise it is environment.yml, package for package."""
+    binder = ROOT / ".binder"
+    assert "- -e ." not in [line.strip() for line in (binder / "environment.yml").read_text().splitlines()]
+    assert _deps(binder / "environment.yml") == _deps(ROOT / "environment.yml")
+    post = (binder / "postBuild").read_text()
+    assert "pip install --no-deps -e ." in post and (binder / "postBuild").stat().st_mode & 0o111
