@@ -5,8 +5,9 @@ one counter ``G`` (tokens each decoder has made since the engine started) and an
 request when it starts decoding: its ``generated`` is ``gen0 + G - g0``. The batch's
 summed context is one running sum, and two heaps say, in decode-clock ticks, when the
 next decoder needs a KV page and when the next one has made its last token. A step
-then costs O(its events), not O(batch); :class:`~kimilab.engine.reference.ReferenceEngine`
-walks the batch instead, and a test holds the two equal.
+then costs O(its events), not O(batch); :class:`~kimilab.engine.reference.ReferenceEngine`,
+a standalone twin that neither subclasses the engine nor uses this clock, walks the batch
+instead, and a test holds the two equal.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Per-event work does not grow with the queue or the batch: the queued prompt bloc
 router reads are a counter, and decoding requests are kept on a *decode clock* (every
 decoder makes the same tokens a step), with two heaps saying when the next one needs a
 page and when the next one finishes. :class:`kimilab.engine.reference.ReferenceEngine`
-is the plain loop over every running request; a test holds the two equal.
+is its slow twin: a standalone loop written from the rules above that walks every running
+request each step and shares none of this scheduling code (only the pool and caches, the
+records, the step timer, the gap log and the queues); a test holds the two equal.
 
 ``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every
 decision of this one loop -- admission, each step's chunks and decodes (a
