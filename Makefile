@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student grade classroom experiment test lint fuzz lab sync bench parity clean
+.PHONY: setup book html student grade classroom experiment results test lint fuzz lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -48,14 +48,21 @@ grade: $(STAMP)
 experiment: $(STAMP)
 	$(BIN)/python -m kimilab experiment --out results
 
+# The chapters' long computations are stored in data/results/ (kimilab/stored.py): recompute every one
+# from this source and fail if any number differs from its file (CI runs it; minutes).
+results: $(STAMP)
+	$(BIN)/python -m kimilab results --check
+
 # The linter over the package, the tests, the benchmarks and the chapters' sources (pyproject.toml
 # [tool.ruff] says which rules and why); CI runs it before the tests.
 lint: $(STAMP)
 	$(BIN)/ruff check kimilab tests bench chapters/*.py
 
-# Unit + property tests, then strict nbval over every executed chapter.
+# Unit + property tests and strict nbval over every executed chapter, on every core (pytest-xdist; a
+# notebook's cells stay together on one worker: --dist loadfile). JOBS=1 runs them in one process.
+JOBS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not classroom" tests chapters/*.ipynb $(NBVAL)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not classroom" tests chapters/*.ipynb $(NBVAL)
 
 # The property tests of pool, prefix cache, engine, fleet, speculative decoding, context
 # parallelism and the command line (random argv on malformed traces) with a random seed (printed)

@@ -54,6 +54,9 @@ from kimilab.model import HybridCache, Model
 from kimilab.notebook import key_results, show_source, show_table
 from kimilab.prefix import fidelity, marconi, offload, precision
 from kimilab.sim import SGLANG_RATIO, Replay, replay_many, simulate, vllm_align_interval
+from kimilab.sim.result import SimResult
+from kimilab.sim.sweep import replay_records, replay_spec
+from kimilab.stored import stored
 
 plots.use_style()
 CFG = kimi_linear_48b
@@ -72,7 +75,15 @@ SCHEMES = {"every 512": ("every-block", ()),  # a state every N tokens of the pr
            **{f"every {n:,}": ("periodic", (("interval", n),)) for n in (2048, 8192)},
            "request ends": ("ends", ()),  # N = infinity: only where a prompt ends
            "attention": ("kv-only", ())}  # states free and everywhere: the attention bound
-sweep = replay_many({(s, gb): Replay(REAL, p, gb, DEP, options=o) for s, (p, o) in SCHEMES.items() for gb in SIZES})
+
+
+def replays(name, jobs):  # replay_many, kept in data/results (kimilab.stored): {key: Replay} -> {key: result}
+    got = stored(name, replay_records, jobs=[replay_spec(job) for job in jobs.values()])
+    return {k: SimResult.from_record(r) for k, r in zip(jobs, got)}
+
+
+sweep = replays("ch6_intervals", {(s, gb): Replay(REAL, p, gb, DEP, options=o) for s, (p, o) in SCHEMES.items()
+                                  for gb in SIZES})
 hit = {k: r.usable_hit_rate for k, r in sweep.items()}
 state_share = {k: r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean) for k, r in sweep.items()}
 ends_gap = max(max(hit[s, gb] for s in SCHEMES if s != "attention") - hit["request ends", gb] for gb in SIZES)
@@ -585,7 +596,7 @@ for gb in (10, 40):
                                                                          options=(("kv_boundary", False),))
 jobs |= {("conversation", n, "native", 40): Replay(REAL, n, 40, DEP) for n in ("every-block", "align")}
 done = {Replay(REAL, p, gb, DEP, options=o): sweep[s, gb] for s, (p, o) in SCHEMES.items() for gb in SIZES}
-new = replay_many({k: job for k, job in jobs.items() if job not in done})
+new = replays("ch6_policies", {k: job for k, job in jobs.items() if job not in done})
 runs = {k: new[k] if k in new else done[job] for k, job in jobs.items()}
 print(f"{len(jobs)} replays of two real traces per device of {DEP.name} "
       f"({len(jobs) - len(new)} reused from the interval sweep)")

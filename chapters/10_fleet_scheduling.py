@@ -55,7 +55,9 @@ from kimilab.engine.reference import ReferenceEngine
 from kimilab.exercises import verify
 from kimilab.fleet import Fleet, StateAware, run_fleet
 from kimilab.fleet.goodput import MOONCAKE_SLO, SloGuard, max_rate_scale, priced, window
+from kimilab.experiment.runs import fleet_summaries
 from kimilab.fleet.sweep import run_many
+from kimilab.stored import stored
 from kimilab.notebook import key_results, show_source, show_table
 from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
@@ -86,8 +88,10 @@ tenth = priced(one_instance(best / 10), span_s=SPAN / (best / 10), price_per_hou
 SWEEP, BASE = TRACE[:1500], dict(deployment=DEP, instances=8, capacity_tokens=CAPACITY, policy="ends")
 HEAVY = 40  # x the trace's rate on 8 instances: the sweep's heavy load
 KNEE = [("least-loaded", HEAVY), ("prefix-affinity", HEAVY)]
-sweep = dict(zip(KNEE, run_many(SWEEP, [dict(BASE, router=r, rate_scale=s) for r, s in KNEE])))
-ll, pa = (sweep[k].summary() for k in KNEE)
+# the same runs in JSON (kimilab.experiment.runs), so their summaries can be stored in data/results (kimilab.stored)
+RUN = dict(deployment=DEP.name, instances=8, policy="ends", requests={"trace": MOONCAKE_CONVERSATION, "start": 0, "n": 1500})
+sweep = dict(zip(KNEE, stored("ch10_knee", fleet_summaries, runs=[dict(RUN, router=r, rate_scale=s) for r, s in KNEE])))
+ll, pa = (sweep[k] for k in KNEE)
 key_results(
     f"A step that carries one full 8,192-token prefill chunk takes {chunk_band.describe('{:.0f}', 'ms')} under "
     f"Mooncake's 100 ms TBT limit, {chunk_ms / batch_ms:.1f} times a decode step of 64 requests at 8k tokens "
@@ -191,10 +195,12 @@ plt.show()
 # fills the token budget for several steps in a row, and every decode in those steps
 # waits for it.
 #
-# **Exactness check.** `ReferenceEngine` is the same engine with a plain loop over the
-# running batch and no skipped steps (a property test holds the two equal on every
-# latency, hit and preemption). Side by side on the trace's first 2,000 requests at 128
-# times its rate (CPU seconds, this machine):
+# **Exactness check.** `ReferenceEngine` is a second engine written from the same rules
+# as a plain loop: every step it walks the running batch and sums the queue, and it shares
+# no scheduling code with `Engine` (only the pool, caches, records and step timer). A
+# property test holds the two equal on every latency, hit, admission and preemption.
+# Side by side on the trace's first 2,000 requests at 128 times its rate (CPU seconds,
+# this machine):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -306,13 +312,13 @@ show_source(StateAware.choose)
 # %%
 ROUTERS = ["least-loaded", "least-work", "prefix-affinity", "cost", "state-aware"]
 SCALES = [8, 24, HEAVY, 56]
-jobs = {(r, s): dict(BASE, router=r, rate_scale=s) for s in SCALES for r in ROUTERS}
-jobs |= {("approximate", s): dict(BASE, router="prefix-affinity", rate_scale=s, router_options={"approximate": True})
+jobs = {(r, s): dict(RUN, router=r, rate_scale=s) for s in SCALES for r in ROUTERS}
+jobs |= {("approximate", s): dict(RUN, router="prefix-affinity", rate_scale=s, router_options={"approximate": True})
          for s in SCALES}
-jobs |= {(r + ", align", s): dict(BASE, router=r, rate_scale=s, policy="align")
+jobs |= {(r + ", align", s): dict(RUN, router=r, rate_scale=s, policy="align")
          for s in SCALES[1:3] for r in ("prefix-affinity", "state-aware")}
 todo = [k for k in jobs if k not in sweep]  # the two runs at HEAVY behind the key results are done
-sweep |= dict(zip(todo, run_many(SWEEP, [jobs[k] for k in todo])))
+sweep |= dict(zip(todo, stored("ch10_routers", fleet_summaries, runs=[jobs[k] for k in todo])))
 print(f"{len(sweep)} fleet runs of {len(SWEEP):,} requests each")
 
 # %%
@@ -322,7 +328,7 @@ panels = [("ttft_p99_s", 1.0, MOONCAKE_SLO.ttft_s, "TTFT p99 (simulated s, log)"
           ("usable_hit_rate", 1.0, None, "usable hit rate (fraction of prompt tokens)", "What routing finds in cache")]
 for ax, (key, unit, limit, ylabel, title) in zip(axes, panels):
     for r in ROUTERS + ["approximate"]:
-        ax.plot(SCALES, [unit * sweep[r, s].summary()[key] for s in SCALES], "o-", **plots.style_of(r))
+        ax.plot(SCALES, [unit * sweep[r, s][key] for s in SCALES], "o-", **plots.style_of(r))
     if limit is not None:
         ax.axhline(limit, color="k", ls=":", lw=1, label="SLO limit")
         ax.set_yscale("log")
@@ -348,7 +354,7 @@ plt.show()
 
 # %%
 show_table([(r, f"{s}x", o["ttft_p50_s"], o["ttft_p99_s"], 1e3 * o["tbt_p99_s"], o["usable_hit_rate"])
-            for s in SCALES for r in ROUTERS + ["approximate"] for o in [sweep[r, s].summary()]],
+            for s in SCALES for r in ROUTERS + ["approximate"] for o in [sweep[r, s]]],
            ["router", "scale", "TTFT p50", "TTFT p99", "TBT p99", "usable hit"],
            formats={"TTFT p50": ".3f", "TTFT p99": ".2f", "TBT p99": ".0f", "usable hit": ".3f"},
            title=f"{len(SWEEP):,} requests on 8 instances, `ends` policy")
@@ -368,7 +374,7 @@ show_table([(r, f"{s}x", o["ttft_p50_s"], o["ttft_p99_s"], 1e3 * o["tbt_p99_s"],
 # %%
 show_table([(f"{s}x", r, o["usable_hit_rate"], o["ttft_p99_s"])
             for s in SCALES[1:3] for r in ("prefix-affinity", "state-aware")
-            for o in [sweep[r + ", align", s].summary()]],
+            for o in [sweep[r + ", align", s]]],
            ["scale", "router", "usable hit", "TTFT p99"], formats={"usable hit": ".3f", "TTFT p99": ".2f"},
            title="The `align` policy, 8 instances (TTFT in simulated s)")
 

@@ -44,7 +44,6 @@
 import json
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -53,12 +52,13 @@ import numpy as np
 from kimilab import costs, plots
 from kimilab.config import kimi_linear_48b, tiny
 from kimilab.exercises import verify
-from kimilab.experiment import BASELINE, CONFIGS, sessions, variant
+from kimilab.experiment import BASELINE, CONFIGS, sessions
 from kimilab.experiment.results import run_part_a
 from kimilab.experiment.tuning import BUDGETS, SEQS
-from kimilab.experiment.scale import agent_capacity, conversation_goodput, run_part_b
+from kimilab.experiment.scale import conversation_goodput, run_part_b
 from kimilab.experiment.tables import scheduler_label
 from kimilab.notebook import key_results, show_source, show_table
+from kimilab.stored import stored
 
 plots.use_style()
 OUT = Path(tempfile.mkdtemp(prefix="kimilab-part-a-"))  # make experiment owns results/; this is a smaller run
@@ -75,11 +75,7 @@ PART_B = dict(n_requests=2400, instances=1, agent_instances=1, agent_duration_s=
               start_scale=4.0, workers=2, variants=(BASELINE, "ends + state-aware", "none + prefix-affinity",
                                                      "all-MLA bf16 TP4", "all-MLA fp8 TP4"),
               tune={"conversation": (BUDGETS, SEQS)})
-t0 = time.perf_counter()
-with tempfile.TemporaryDirectory() as tmp:
-    run_part_b(tmp, **PART_B)
-    part_b = json.loads((Path(tmp) / "part_b.json").read_text())
-wall = time.perf_counter() - t0
+part_b = stored("ch11_part_b", run_part_b, **PART_B)  # minutes of simulation: kept in data/results (see below)
 conv = {r["variant"]: r for r in part_b["rows"] if r["workload"] == "conversation"}
 agent = {r["variant"]: r for r in part_b["rows"] if r["workload"] == "agents"}
 best_t = {w: max((r for r in t.values() if r["family"] == "transformer"), key=lambda r: r["goodput"])
@@ -398,6 +394,12 @@ show_table([(n, d, v) for (n, d), v in pools.items()], ["model", "deployment", "
 # at that load, at an assumed 2 USD per accelerator-hour (every dollar figure scales with
 # that price); *busy* is how much of the time the instance was stepping. Under it, what
 # the numbers rest on (`make experiment` writes the same as `results/part_b.md`):
+#
+# These searches take minutes, so `stored` keeps each one's result in `data/results/`, keyed
+# by its arguments and by a digest of the source that computed it: change the simulator or
+# an argument and the cell computes again (as does `KIMILAB_RECOMPUTE=1`). The file is a
+# cache, not a source: CI recomputes every stored result on a clean clone and fails on any
+# difference (`python -m kimilab results --check`).
 
 # %%
 print(f"kimilab {part_b['kimilab']}; baseline: {part_b['baseline']}")
@@ -407,7 +409,7 @@ show_table(part_b_cells(part_b), PART_B_COLUMNS, title="Part B, per instance: ch
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"Part B here: {wall:.0f} s wall clock")
+print(f"Part B here: {part_b['run_wall_s']:.0f} s wall clock when it was computed")
 
 # %% [markdown]
 # ### Deep dive: two halves of the sessions, and the kernel band
@@ -417,10 +419,10 @@ print(f"Part B here: {wall:.0f} s wall clock")
 # measures the baseline and both transformers on each half, five orders each:
 
 # %%
-from kimilab.experiment.capacity import band_corners, two_halves
+from kimilab.experiment.capacity import band_corners, corner_goodputs, two_halves
 
-HALVES = two_halves(variants=(BASELINE, "all-MLA bf16 TP4", "all-MLA fp8 TP4"), orders=PART_B["orders"], instances=1,
-                    duration_s=PART_B["agent_duration_s"], workers=PART_B["workers"])
+HALVES = stored("ch11_halves", two_halves, variants=[BASELINE, "all-MLA bf16 TP4", "all-MLA fp8 TP4"],
+                orders=PART_B["orders"], instances=1, duration_s=PART_B["agent_duration_s"], workers=PART_B["workers"])
 hv = {h: {r["variant"]: r for r in HALVES["halves"][h]} for h in ("even", "odd")}
 display(show_table([(e["variant"], pm(hv["even"][e["variant"]], ".1f"), pm(hv["odd"][e["variant"]], ".1f"),
                      " / ".join(f"{x:.2f}" for x in e["ratio"]), "yes" if e["ratios_agree"] else "no")
@@ -438,27 +440,21 @@ print(f"ordering agrees: {not HALVES['conflicts']}; every ratio ties across the 
 
 # %%
 CORNERS = band_corners()
-SETS = (("central", None), ("fastest", CORNERS[0]), ("slowest", CORNERS[1]))
-
-
-def at_set(workload, name, m):  # one variant's goodput, order 0, at its tuned setting, under kernel set m
-    kw = dict(instances=1, orders=1, rel_tol=PART_B["rel_tol"], **({} if m is None else {"kernels": m.kernels}))
-    if workload == "chat":
-        return conversation_goodput(variant(name), n_requests=PART_B["n_requests"], start=PART_B["start_scale"],
-                                    scheduler=conv[name]["scheduler"], **kw)
-    return agent_capacity(variant(name), duration_s=PART_B["agent_duration_s"], start=16, **kw)
-
-
+SETS = ("central", "fastest", "slowest")
+PAIRS = {w: [BASELINE, best_t[w]["variant"]] for w in ("chat", "agents")}
+CORNER_ROWS = stored("ch11_band_corners", corner_goodputs, pairs=PAIRS,
+                     schedulers={n: conv[n]["scheduler"] for n in PAIRS["chat"]}, n_requests=PART_B["n_requests"],
+                     rel_tol=PART_B["rel_tol"], start=PART_B["start_scale"], agent_duration_s=PART_B["agent_duration_s"])
 band_rows, labels = [], {}
 for w, t in (("chat", conv), ("agents", agent)):
-    pair = (BASELINE, best_t[w]["variant"])
-    got = {(c, n): at_set(w, n, m) for c, m in SETS for n in pair}
-    ratio = {c: got[c, pair[1]]["goodput"] / got[c, pair[0]]["goodput"] for c, _ in SETS}
+    pair = PAIRS[w]
+    got = {(r["set"], r["variant"]): r for r in CORNER_ROWS if r["workload"] == w}
+    ratio = {c: got[c, pair[1]]["goodput"] / got[c, pair[0]]["goodput"] for c in SETS}
     same = {r < 1 for r in ratio.values()} == {ratio["central"] < 1}
     labels[w] = (pair[1], ratio["central"], min(ratio.values()), max(ratio.values()),
                  "holds across the band" if same else "flips in the band")
     band_rows += [(w, c, got[c, pair[0]]["goodput"], got[c, pair[0]].get("usd_per_m_output"), got[c, pair[1]]["goodput"],
-                   ratio[c]) for c, _ in SETS]
+                   ratio[c]) for c in SETS]
 display(show_table(band_rows, ["workload", "kernel set", "baseline", "baseline $/M", "transformer", "ratio"],
                    formats={"baseline": ".2f", "baseline $/M": ".3f", "transformer": ".2f", "ratio": ".2f"},
                    title="Goodput at the band's corners, order 0 (chat in req/s, agents in sessions)"))
@@ -487,20 +483,15 @@ from IPython.display import display
 
 from kimilab.engine.gaps import bin_values
 from kimilab.fleet import run_fleet
+from kimilab.experiment.capacity import baseline_at_lengths
 from kimilab.fleet.goodput import MOONCAKE_SLO, MOONCAKE_SLO_200, replay_convergence
 from kimilab.traffic import MOONCAKE_CONVERSATION, load_trace
 
 CHAT = load_trace("../data/" + MOONCAKE_CONVERSATION)
-found = {}
-
-
-def goodput_scale(n):  # the highest rate scale within the SLO on the first n requests
-    found[n] = conversation_goodput(variant(BASELINE), n_requests=n, instances=1, orders=1, rel_tol=PART_B["rel_tol"],
-                                    start=PART_B["start_scale"], scheduler=base["scheduler"])
-    return found[n]["max_rate_scale"]
-
-
-conv_rows = replay_convergence(goodput_scale, [1200, 2400, 4800, len(CHAT)], MOONCAKE_SLO)
+LENGTHS = [1200, 2400, 4800, len(CHAT)]
+found = {r["n"]: r for r in stored("ch11_lengths", baseline_at_lengths, lengths=LENGTHS, scheduler=base["scheduler"],
+                                   rel_tol=PART_B["rel_tol"], start=PART_B["start_scale"])}
+conv_rows = replay_convergence(lambda n: found[n]["max_rate_scale"], LENGTHS, MOONCAKE_SLO)
 minutes = lambda n, x: (CHAT[n - 1].arrival_ms - CHAT[0].arrival_ms) / 6e4 / x  # noqa: E731  simulated minutes
 display(show_table([(r["n"], minutes(r["n"], r["value"]), r["value"], found[r["n"]]["goodput"],
                      found[r["n"]]["ttft_p50_s"], found[r["n"]]["ttft_limit_pct_s"], "yes" if r["settled"] else "no")

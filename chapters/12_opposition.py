@@ -46,7 +46,8 @@ from kimilab.config import all_mla_27, kimi_linear_48b
 from kimilab.costs import spec as spec_costs
 from kimilab.exercises import verify
 from kimilab.notebook import key_results, show_source, show_table
-from kimilab.verdict import band, crossover
+from kimilab.stored import stored
+from kimilab.verdict import Crossover, band, crossover
 
 plots.use_style()
 CFG, BASE = kimi_linear_48b, all_mla_27
@@ -64,10 +65,9 @@ print(f"kernel band: {len(VARIANTS)} kernel sets = " + " x ".join(f"{len(o)} {a}
 
 # %%
 # Key results (each number is computed here and derived step by step below)
-SEEDS = range(8)
-GROUPS = [range(2 * g, 2 * g + 2) for g in range(4)]  # four groups of two seeds: the band
-capacity = {m: band(crossover(lambda n: recall.recall(m, int(n), seeds=s).mean - 0.5, 16, 4096, integer=True, grid=9)
-                    for s in GROUPS) for m in ("linear", "delta", "kda")}  # pairs at half right; section 1 reuses it
+SEEDS, GROUPS = list(range(8)), [[2 * g, 2 * g + 1] for g in range(4)]  # 8 seeds; 4 groups of two: the band
+HALF = stored("ch12_recall_capacity", recall.half_capacities, memories=["linear", "delta", "kda"], groups=GROUPS)
+capacity = {m: band(Crossover(**c) for c in HALF[m]) for m in ("linear", "delta", "kda")}  # pairs at half right
 mem_cross = {d.name: costs.crossover_tokens(CFG, BASE, d) for d in DEPS}
 dp = costs.DP4_EP4_H200.name
 
@@ -168,10 +168,11 @@ show_table([(axis, choice, changes(ch)) for axis, opts in costs.AXES for choice,
 
 # %%
 PAIRS = np.unique(np.geomspace(16, 4096, 17).astype(int))
-acc = {m: [recall.recall(m, int(n), seeds=SEEDS) for n in PAIRS] for m in recall.MEMORIES}  # ~10 s
+acc = {m: np.array(v) for m, v in stored("ch12_recall_sweep", recall.recall_sweep, memories=list(recall.MEMORIES),
+                                         pairs=PAIRS.tolist(), seeds=SEEDS).items()}  # [pairs, (mean, std)]
 for m, (lo, mid, hi, _) in capacity.items():
     print(f"{m:<7}: right on half the pairs up to {mid:,.0f} pairs (band over seed groups {lo:,.0f}-{hi:,.0f})")
-print(f"softmax: lowest accuracy over the sweep {min(a.mean for a in acc['softmax']):.3f} "
+print(f"softmax: lowest accuracy over the sweep {acc['softmax'][:, 0].min():.3f} "
       f"(16-{PAIRS[-1]:,} pairs): it never falls below half")
 state_bytes, kv_pair_bytes = 128 * 128 * 4, (128 + 128) * 2  # one fp32 KDA head state; one bf16 K + V
 same_bytes = state_bytes // kv_pair_bytes
@@ -183,7 +184,7 @@ print(f"one head's KV cache holds as many bytes as one KDA state at {same_bytes}
 MEMORY_STYLE = {"softmax": "softmax-recall", "linear": "linear-attention", "delta": "delta-rule", "kda": "kda-state"}
 fig, ax = plt.subplots(figsize=(7.5, 4.2))
 for m in recall.MEMORIES:
-    mean, std = np.array([a.mean for a in acc[m]]), np.array([a.std for a in acc[m]])
+    mean, std = acc[m].T
     ax.plot(PAIRS, mean, marker="o", ms=3, **plots.style_of(MEMORY_STYLE[m]))
     ax.fill_between(PAIRS, mean - std, mean + std, color=plots.color(MEMORY_STYLE[m]), alpha=0.2)
 ax.axhline(0.5, color="black", lw=0.8, ls=":", label="half right (capacity)")
@@ -216,7 +217,7 @@ plt.show()
 # %%
 lo_k, mid_k, hi_k, _ = capacity["kda"]
 ROWS["KDA state (recall)"] = (f"past {mid_k:,.0f} pairs (under half right)", f"{lo_k:,.0f}-{hi_k:,.0f}", "no kernel time")
-show_table([[n] + [f"{acc[m][i].mean:.3f}+-{acc[m][i].std:.3f}" for m in recall.MEMORIES]
+show_table([[n] + [f"{acc[m][i, 0]:.3f}+-{acc[m][i, 1]:.3f}" for m in recall.MEMORIES]
             for i, n in enumerate(PAIRS)], ["pairs"] + list(recall.MEMORIES),
            title="Fraction read back right, mean +- std over 8 seeds")
 
@@ -478,25 +479,23 @@ show_table([[h] + [waste[k][i] for k in layouts] for i, h in enumerate(HEADS)], 
 # 38 ms). `every-block` still loses from x0.2 under both: the verdict holds.
 
 # %%
-from kimilab.experiment.scale import no_reuse
-from kimilab.fleet.sweep import run_many
+from kimilab.experiment.runs import fleet_summaries, prefill_ends
+from kimilab.stored import stored
 
 POLICIES = {"none": "kv-only", "ends": "ends", "chunk-ends": "chunk-ends", "every-block": "every-block"}
 WINDOWS = (0, 5000, 9000)
 LOADS = {costs.ONE_H200.name: [0.2, 0.4, 0.6, 0.8, 1.0, 1.2], DEP.name: [2.0, 3.0, 4.0, 5.0, 6.0]}
-jobs, keys = [], []
+runs, keys = [], []  # each run in JSON (kimilab.experiment.runs), so the sweep can be stored
 for w in WINDOWS:
-    window = REAL[w:w + 2000]
-    plain = no_reuse(window)  # every block given an id nobody else uses: no caching
     for dep in (costs.ONE_H200, DEP):
         for scale in LOADS[dep.name]:
-            for name, policy in POLICIES.items():
-                jobs.append(dict(deployment=dep, instances=1, router="least-work", rate_scale=scale, policy=policy,
-                                 capacity_tokens=costs.capacity_tokens(CFG, dep),
-                                 requests=plain if name == "none" else window))
+            for name, policy in POLICIES.items():  # "none": every block given an id nobody else uses
+                window = {"trace": wl.MOONCAKE_CONVERSATION, "start": w, "n": 2000, "no_reuse": name == "none"}
+                runs.append(dict(deployment=dep.name, instances=1, router="least-work", rate_scale=scale,
+                                 policy=policy, requests=window))
                 keys.append((w, dep.name, scale, name))
-p99 = {k: r.summary()["ttft_p99_s"] for k, r in zip(keys, run_many(None, jobs))}
-print(f"{len(jobs)} runs; pools: " + ", ".join(f"{d} {costs.capacity_tokens(CFG, costs.deployment(d)) / 1e6:.1f}M tokens"
+p99 = {k: r["ttft_p99_s"] for k, r in zip(keys, stored("ch12_prefix_sweep", fleet_summaries, runs=runs))}
+print(f"{len(runs)} runs; pools: " + ", ".join(f"{d} {costs.capacity_tokens(CFG, costs.deployment(d)) / 1e6:.1f}M tokens"
                                                for d in LOADS))
 for dep_name, scales in LOADS.items():
     cell = {(s, n): [p99[w, dep_name, s, n] for w in WINDOWS] for s in scales for n in POLICIES}
@@ -523,7 +522,8 @@ display(show_table([(d, n) + tuple("never" if x is None else f"from x{x:g}" for 
 # The kernel band of a simulation: 36 fleet sweeps would take half an hour, and a TTFT is mostly prefill
 # time, so each fleet verdict is rerun under the two kernel sets that make a prefill fastest and slowest.
 pre = [costs.prefill_seconds(CFG, v, 8192) for v in VARIANTS]
-ENDS = {"fastest": costs.members()[int(np.argmin(pre))], "slowest": costs.members()[int(np.argmax(pre))]}
+END_SETS = prefill_ends()  # {"fastest": i, "slowest": j}: indices of the kernel sets
+ENDS = {end: costs.members()[i] for end, i in END_SETS.items()}
 print(f"an 8,192-token prefill on TP4: {pre[0] * 1e3:.0f} ms, band {min(pre) * 1e3:.0f}-{max(pre) * 1e3:.0f} ms")
 for end, m in ENDS.items():
     print(f"  {end}: {m.differs()}")
@@ -546,21 +546,22 @@ def span(xs, f="{:g}", pre=""):
     return "never" if not xs else fmt_band(min(xs), max(xs), pre + f)
 
 
-def at_ends(make_jobs):
-    """Run ``make_jobs(deployment -> jobs)`` under each end of the band; one result list per end."""
-    return {end: run_many(None, make_jobs(lambda d, m=m: d.with_(kernels=m.kernels))) for end, m in ENDS.items()}
+def at_ends(name, runs):
+    """Every run under each end of the band (stored as ``name``): end -> the runs' summaries."""
+    got = stored(name, fleet_summaries, runs=[dict(r, kernels=i) for i in END_SETS.values() for r in runs])
+    return {end: got[k * len(runs):(k + 1) * len(runs)] for k, end in enumerate(END_SETS)}
 
 
 one = costs.ONE_H200.name
-pw, pw_plain = REAL[:2000], no_reuse(REAL[:2000])  # the first window, the lighter half of the loads
-LIGHT = LOADS[one][:3]
+LIGHT = LOADS[one][:3]  # the first window, the lighter half of the loads
 pairs = [(s, n) for s in LIGHT for n in ("none", "every-block")]
-ends_p99 = at_ends(lambda kern: [dict(deployment=kern(costs.ONE_H200), instances=1, router="least-work", rate_scale=s,
-                                      policy=POLICIES[n], capacity_tokens=costs.capacity_tokens(CFG, costs.ONE_H200),
-                                      requests=pw_plain if n == "none" else pw) for s, n in pairs])
+ends_p99 = at_ends("ch12_prefix_ends", [dict(deployment=one, instances=1, router="least-work", rate_scale=s,
+                                             policy=POLICIES[n], requests={"trace": wl.MOONCAKE_CONVERSATION, "start": 0,
+                                                                           "n": 2000, "no_reuse": n == "none"})
+                                        for s, n in pairs])
 eb_ends = {}
 for end, res in ends_p99.items():
-    v = {k: r.summary()["ttft_p99_s"] for k, r in zip(pairs, res)}
+    v = {k: r["ttft_p99_s"] for k, r in zip(pairs, res)}
     eb_ends[end] = next((s for s in LIGHT if v[s, "every-block"] > v[s, "none"]), None)
     print(f"{end}: every-block worse than none from "
           + ("never in the sweep" if eb_ends[end] is None else f"x{eb_ends[end]:g}")
@@ -829,16 +830,18 @@ plt.show()
 ZIPF = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
 RATES = [80.0, 160.0]
 ZSEEDS = (0, 1, 2)
-jobs, keys = [], []
+def zipf_traffic(rate, e, s):  # 2,000 generated requests over 2,048 shared prefixes, popularity Zipf(e)
+    return {"zipf": dict(n_requests=2000, exponent=e, n_prefixes=2048, rate_per_s=rate, seed=s)}
+
+
+runs, keys = [], []
 for rate in RATES:
     for e in ZIPF:
         for s in ZSEEDS:
-            reqs = wl.zipf_prefixes(2000, exponent=e, n_prefixes=2048, rate_per_s=rate, seed=s)
             for router in ("least-work", "prefix-affinity"):
-                jobs.append(dict(deployment=DEP, instances=4, router=router, requests=reqs,
-                                 capacity_tokens=costs.capacity_tokens(CFG, DEP)))
+                runs.append(dict(deployment=DEP.name, instances=4, router=router, requests=zipf_traffic(rate, e, s)))
                 keys.append((rate, e, s, router))
-zipf = {k: r.summary() for k, r in zip(keys, run_many(None, jobs))}
+zipf = dict(zip(keys, stored("ch12_zipf", fleet_summaries, runs=runs)))
 ratio = {(rate, e): np.array([zipf[rate, e, s, "prefix-affinity"]["ttft_p99_s"] / zipf[rate, e, s, "least-work"]["ttft_p99_s"]
                               for s in ZSEEDS]) for rate in RATES for e in ZIPF}
 skew_loss = {rate: next((e for e in ZIPF if ratio[rate, e].mean() > 1), None) for rate in RATES}
@@ -848,13 +851,11 @@ display(show_table([[e] + [f"{ratio[r, e].mean():.2f} [{ratio[r, e].min():.2f}-{
             for e in ZIPF], ["Zipf exponent"] + [f"{r:g} req/s" for r in RATES], formats={"Zipf exponent": "g"},
            title="TTFT p99, affinity / least-work: mean [min-max] over 3 seeds"))
 zkeys = [(rate, e, router) for rate in RATES for e in ZIPF for router in ("least-work", "prefix-affinity")]
-zreqs = {(rate, e): wl.zipf_prefixes(2000, exponent=e, n_prefixes=2048, rate_per_s=rate, seed=0) for rate in RATES
-         for e in ZIPF}
-zends = at_ends(lambda kern: [dict(deployment=kern(DEP), instances=4, router=router, requests=zreqs[rate, e],
-                                   capacity_tokens=costs.capacity_tokens(CFG, DEP)) for rate, e, router in zkeys])
+zends = at_ends("ch12_zipf_ends", [dict(deployment=DEP.name, instances=4, router=router,
+                                        requests=zipf_traffic(rate, e, 0)) for rate, e, router in zkeys])
 skew_ends = {}
 for end, res in zends.items():
-    z = {k: r.summary()["ttft_p99_s"] for k, r in zip(zkeys, res)}
+    z = {k: r["ttft_p99_s"] for k, r in zip(zkeys, res)}
     skew_ends[end] = {rate: next((e for e in ZIPF if z[rate, e, "prefix-affinity"] > z[rate, e, "least-work"]), None)
                       for rate in RATES}
     print(f"{end} kernels, seed 0: affinity worse from exponent " + ", ".join(
@@ -871,41 +872,31 @@ ROWS["prefix affinity"] = ("Zipf exponent >= " + ", ".join(f"{span([e])} ({r:g}/
 # 24,576-token documents at a rate swept through the knee:
 
 # %%
-from kimilab.fleet.tenants import merge_tenants
-from kimilab.traffic import Request
-
 FLOODS = [2.0, 4.0, 5.0, 6.0, 7.0, 8.0]
 CHATS = (0, 4000, 8000)
 
 
-def with_flood(chat, per_s):
-    t0, span = chat[0].arrival_ms, chat[-1].arrival_ms - chat[0].arrival_ms
-    n = max(1, int(per_s * span / 1000))
-    docs = [Request(i, int(t0 + i * span / n), 48 * 512, 64, hash_ids=tuple(range(10**9 + 48 * i, 10**9 + 48 * i + 48)))
-            for i in range(n)]
-    return merge_tenants([("chat", chat), ("flood", docs)])
+def flooded(w, f):  # 1,000 chat requests from w, beside documents at f a second (kimilab.experiment.runs.with_flood)
+    return {"trace": wl.MOONCAKE_CONVERSATION, "start": w, "n": 1000, "flood": f}
 
 
-jobs, keys = [], []
+runs, keys = [], []
 for w in CHATS:
     for f in FLOODS:
-        mixed = with_flood(REAL[w:w + 1000], f)
         for iso in ("none", "quota"):
-            jobs.append(dict(deployment=DEP, instances=1, router="least-work", isolation=iso, requests=mixed,
-                             capacity_tokens=costs.capacity_tokens(CFG, DEP)))
+            runs.append(dict(deployment=DEP.name, instances=1, router="least-work", isolation=iso, requests=flooded(w, f)))
             keys.append((w, f, iso))
-iso = {k: r.summary()["tenants"]["chat"]["ttft_p99_s"] for k, r in zip(keys, run_many(None, jobs))}
+iso = {k: r["tenants"]["chat"]["ttft_p99_s"] for k, r in zip(keys, stored("ch12_flood", fleet_summaries, runs=runs))}
 gain = {w: np.array([iso[w, f, "none"] / iso[w, f, "quota"] for f in FLOODS]) for w in CHATS}
 pays_from = [next((f for f, g in zip(FLOODS, gain[w]) if g > 1), None) for w in CHATS]
 print(f"isolation first pays at (per window): {pays_from} documents/s")
 print(f"lighter floods: the chat tail up to {1 / min(g.min() for g in gain.values()):.2f}x worse")
 fkeys = [(f, i) for f in FLOODS for i in ("none", "quota")]
-fmixed = {f: with_flood(REAL[:1000], f) for f in FLOODS}
-fends = at_ends(lambda kern: [dict(deployment=kern(DEP), instances=1, router="least-work", isolation=i, requests=fmixed[f],
-                                   capacity_tokens=costs.capacity_tokens(CFG, DEP)) for f, i in fkeys])
+fends = at_ends("ch12_flood_ends", [dict(deployment=DEP.name, instances=1, router="least-work", isolation=i,
+                                         requests=flooded(0, f)) for f, i in fkeys])
 iso_ends = {}
 for end, res in fends.items():
-    v = {k: r.summary()["tenants"]["chat"]["ttft_p99_s"] for k, r in zip(fkeys, res)}
+    v = {k: r["tenants"]["chat"]["ttft_p99_s"] for k, r in zip(fkeys, res)}
     iso_ends[end] = next((f for f in FLOODS if v[f, "none"] > v[f, "quota"]), None)
     print(f"{end} kernels, window 0: isolation first pays at "
           + ("never in the sweep" if iso_ends[end] is None else f"{iso_ends[end]:g} documents/s"))

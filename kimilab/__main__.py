@@ -14,6 +14,7 @@ Commands:
 * ``capacity``              every variant's capacity on your own sessions and/or chat trace; one JSON object
 * ``fleet TRACE...``        serve traces (one tenant each) on a fleet of engines; one JSON object
 * ``cp --tokens T``         context-parallel KDA on the ranks of ``mpiexec -n P``; one JSON object
+* ``results [--check]``     the stored results of the chapters' long computations; recompute and compare
 
 A bad argument or a bad trace line is one line on stderr naming it, and exit status 2.
 """
@@ -145,7 +146,7 @@ def _parser() -> _Parser:
     e = sub.add_parser("experiment", help="the book's experiment: what a second request saves (results/*.json)")
     experiment_arguments(e)
     e.set_defaults(func=_experiment, parser=e)
-    from kimilab.experiment.capacity import add_arguments as capacity_arguments
+    from kimilab.experiment import capacity
 
     k = sub.add_parser("capacity", help="every variant's capacity on your own traffic, over several orders; "
                                         "print one JSON object",
@@ -154,8 +155,13 @@ def _parser() -> _Parser:
                                    "traffic, with a search that does not assume pass/fail is monotone in the load; "
                                    "print one JSON object: per variant the mean, min, max and spread, $/M output "
                                    "tokens, the ratio to the baseline and a higher/lower/tie label.")
-    capacity_arguments(k)
-    k.set_defaults(func=_capacity_command, parser=k)
+    capacity.add_arguments(k)
+    k.set_defaults(func=capacity.run, parser=k)
+    from kimilab import stored
+
+    r = sub.add_parser("results", help="list the stored results of the chapters' long runs; --check recomputes them")
+    stored.add_arguments(r)
+    r.set_defaults(func=stored.run, parser=r)
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
@@ -400,12 +406,6 @@ def _experiment(args, parser) -> int:
     from kimilab.experiment import results
 
     return results.run(args)
-
-
-def _capacity_command(args, parser) -> int:
-    from kimilab.experiment import capacity
-
-    return capacity.run(args, parser)
 
 
 def _book(args, parser) -> int:

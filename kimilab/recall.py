@@ -28,7 +28,7 @@ import numpy as np
 from kimilab.kda import kda_gate, l2_normalize, recurrent_kda
 from kimilab.validate import check_choice, check_float, check_int
 
-__all__ = ["MEMORIES", "RecallResult", "read_back", "recall", "rebinding", "capacity"]
+__all__ = ["MEMORIES", "RecallResult", "read_back", "recall", "rebinding", "capacity", "half_capacities", "recall_sweep"]
 
 MEMORIES = ("softmax", "linear", "delta", "kda")
 
@@ -135,3 +135,19 @@ def capacity(memory: str, threshold: float = 0.5, *, lo: int = 1, hi: int = 4096
         else:
             hi = mid
     return lo
+
+
+def half_capacities(memories, groups, *, lo: int = 16, hi: int = 4096, grid: int = 9) -> dict:
+    """Per memory, per group of seeds: where mean recall falls through one half as N grows
+    (:func:`kimilab.verdict.crossover` over [lo, hi], its fields as a dict): a capacity with its band."""
+    import dataclasses
+
+    from kimilab.verdict import crossover
+
+    return {m: [dataclasses.asdict(crossover(lambda n: recall(m, int(n), seeds=g).mean - 0.5, lo, hi, integer=True,
+                                             grid=grid)) for g in groups] for m in memories}
+
+
+def recall_sweep(memories, pairs, seeds) -> dict:
+    """Per memory, ``[mean, std]`` of :func:`recall` over ``seeds`` at each N of ``pairs``."""
+    return {m: [[(r := recall(m, int(n), seeds=seeds)).mean, r.std] for n in pairs] for m in memories}

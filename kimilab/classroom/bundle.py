@@ -155,7 +155,8 @@ def build_bundle(folder: Path = STUDENT, zip_path: Path | None = ZIP) -> dict:
     for extra in ("references.md",):
         if (CHAPTERS / extra).exists():
             shutil.copyfile(CHAPTERS / extra, folder / "chapters" / extra)
-    shutil.copytree(ROOT / "data", folder / "data", ignore=shutil.ignore_patterns("__pycache__", ".*"))
+    # not data/results: the stored results hold the numbers exercises ask for (a student's chapter computes them)
+    shutil.copytree(ROOT / "data", folder / "data", ignore=shutil.ignore_patterns("__pycache__", ".*", "results"))
     _copy_package(folder / "kimilab")
     sealed_count = _seal_all(folder / "kimilab" / "exercises" / "key.json")
     (folder / "README.md").write_text(_README.format(chapters=len(chapters), exercises=stubs), encoding="utf-8")

@@ -24,6 +24,7 @@ from kimilab import costs
 from kimilab.costs import DEFAULT_DEPLOYMENT
 from kimilab.experiment.scale import (BASELINE, ORDERS, SESSIONS_PATH, VARIANT_NAMES, Spread, _sessions, _trace,
                                       compare, variant_rows)
+from kimilab.experiment.variants import variant
 from kimilab.fleet.goodput import AGENT_SLO, MOONCAKE_SLO
 from kimilab.validate import check_float, check_int
 
@@ -204,6 +205,40 @@ def two_halves(sessions=None, *, variants=HALVES_VARIANTS, orders: int = ORDERS,
             "variants": per_variant, "conflicts": conflicts, "ratios_agree": bool(ratios_agree),
             "ordering_agrees": not conflicts, "agree": bool(ratios_agree) and not conflicts,
             "run_wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def corner_goodputs(pairs: dict, schedulers: dict, *, n_requests: int, rel_tol: float, start: float,
+                    agent_duration_s: float, deployment: str | None = None) -> list[dict]:
+    """Each variant of ``pairs`` (workload ``"chat"``/``"agents"`` -> variant names) at the central kernel
+    set and the band's two corners (:func:`band_corners`), order 0: one row per (workload, set, variant)
+    with its goodput row. Chat runs each variant at ``schedulers[name]`` (its tuned setting); agents at
+    the default scheduler, as Part B measures them."""
+    from kimilab.experiment.scale import agent_capacity, conversation_goodput
+
+    corners = band_corners(deployment)
+    sets = (("central", None), ("fastest", corners[0]), ("slowest", corners[1]))
+    rows = []
+    for workload, names in pairs.items():
+        for label, m in sets:
+            kw = dict(instances=1, orders=1, rel_tol=rel_tol, deployment=deployment,
+                      **({} if m is None else {"kernels": m.kernels}))
+            for name in names:
+                if workload == "chat":
+                    got = conversation_goodput(variant(name), n_requests=n_requests, start=start,
+                                               scheduler=schedulers[name], **kw)
+                else:
+                    got = agent_capacity(variant(name), duration_s=agent_duration_s, start=16, **kw)
+                rows.append({**got, "workload": workload, "set": label, "variant": name})
+    return rows
+
+
+def baseline_at_lengths(lengths, *, scheduler: dict, rel_tol: float, start: float) -> list[dict]:
+    """The baseline's chat goodput row (one instance, order 0, at ``scheduler``) on the trace's first n
+    requests, for each n of ``lengths``: does the answer stop moving as the replay gets longer?"""
+    from kimilab.experiment.scale import conversation_goodput
+
+    return [{"n": n, **conversation_goodput(variant(BASELINE), n_requests=n, instances=1, orders=1, rel_tol=rel_tol,
+                                            start=start, scheduler=scheduler)} for n in lengths]
 
 
 def add_arguments(parser) -> None:

@@ -87,6 +87,16 @@ class SimResult:
         """Mean prefill (TTFT) milliseconds the usable hits saved per request, on the cache's deployment."""
         return 1e3 * (self.prefill_seconds_cold - self.prefill_seconds) / self.requests if self.requests else 0.0
 
+    def record(self) -> dict:
+        """Every number and label of the run (the per-step arrays and per-request list left out)."""
+        return {f: v.item() if isinstance(v, np.generic) else v for f in self.__dataclass_fields__
+                if not isinstance(v := getattr(self, f), (np.ndarray, list))}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "SimResult":
+        """A result rebuilt from :meth:`record` (its arrays empty)."""
+        return cls(**record)
+
     def as_dict(self) -> dict:
         """The prefix CLI's JSON object (fixed key order)."""
         cold = self.prefill_flops_cold

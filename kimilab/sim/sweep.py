@@ -156,6 +156,33 @@ def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
     return {key: results[key] for key in keys}
 
 
+DATA = Path(__file__).resolve().parent.parent.parent / "data"
+
+
+def replay_spec(job: Replay) -> dict:
+    """``job`` in JSON: its fields, the deployment by name and a shipped trace by its file name."""
+    spec = {f: getattr(job, f) for f in job.__dataclass_fields__}
+    spec["deployment"] = job.deployment.name
+    spec["options"] = [list(o) for o in job.options]
+    if Path(job.trace).resolve().parent == DATA:
+        spec["trace"] = Path(job.trace).name
+    return spec
+
+
+def replay_records(jobs: list[dict], workers: int | None = None) -> list[dict]:
+    """Replays described by :func:`replay_spec` -> each result's numbers (:meth:`SimResult.record`), so a
+    chapter's sweep can be stored (:mod:`kimilab.stored`) and read back with :meth:`SimResult.from_record`."""
+    from kimilab.costs import deployment
+
+    built = {}
+    for i, spec in enumerate(jobs):
+        trace = spec["trace"] if Path(spec["trace"]).is_absolute() else str(DATA / spec["trace"])
+        built[i] = Replay(**dict(spec, trace=trace, deployment=deployment(spec["deployment"]),
+                                 options=tuple(tuple(o) for o in spec.get("options", ()))))
+    results = replay_many(built, workers=workers)
+    return [results[i].record() for i in range(len(jobs))]
+
+
 def _serve(job) -> SimResult:
     requests, layout, shapes, budget, prefill = job
     return simulate(requests, memory=RequestAllocator(layout, shapes, int(budget)), prefill_tokens_per_step=prefill,
