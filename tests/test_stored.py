@@ -71,3 +71,17 @@ def test_every_shipped_result_was_computed_by_the_current_source():
     """Committing a change to the simulator without re-running the book leaves a stale file."""
     stale = [n for n in stored.names() if not stored.is_current(n)]
     assert not stale, f"stale stored results {stale}: run `make book` (or the chapter) to recompute them"
+
+
+def test_restamp_marks_current_only_what_recomputes_the_same(results):
+    stored.stored("same", recall.rebinding, memory="linear", n_keys=4, seeds=[0])
+    stored.stored("moved", recall.rebinding, memory="linear", n_keys=4, seeds=[1])
+    for name in ("same", "moved"):  # as if the source had changed since both were written
+        rec = json.loads((results / f"{name}.json").read_text())
+        rec["digest"] = "0" * 64
+        if name == "moved":
+            rec["result"][0] += 0.5
+        (results / f"{name}.json").write_text(json.dumps(rec))
+    got = stored.check(restamp=True)
+    assert got["same"] == [] and got["moved"]
+    assert stored.is_current("same") and not stored.is_current("moved")
