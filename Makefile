@@ -37,11 +37,12 @@ html: $(STAMP)
 student: $(STAMP)
 	$(BIN)/python -m kimilab student
 
-# Grade answered student notebooks: make grade DIR=submissions/ [OUT=grades.csv] executes each one
-# (with the teacher's checkers) and writes one CSV row per notebook and exercise.
+# Grade answered student notebooks: make grade DIR=submissions/ [OUT=grades.csv] [GRADE_JOBS=N] executes
+# each one (with the teacher's checkers) and writes one CSV row per notebook and exercise, then a gradebook
+# (a row per student) and a Canvas import beside it.
 grade: $(STAMP)
 	@test -n "$(DIR)" || { echo "make grade: DIR= is required, e.g. make grade DIR=submissions/" >&2; exit 2; }
-	$(BIN)/python -m kimilab grade $(DIR) --out $(or $(OUT),grades.csv)
+	$(BIN)/python -m kimilab grade $(DIR) --out $(or $(OUT),grades.csv) $(if $(GRADE_JOBS),--jobs $(GRADE_JOBS))
 
 # The book's experiment (chapter 11): results/part_a.{json,md} (reduced model, CPU) and
 # results/part_b.{json,md} (48B sizes, fleet simulator on the real trace).

@@ -140,6 +140,29 @@ def test_the_grader_writes_one_row_per_exercise(tmp_path):
     assert all(r["notebook"] == str(notebook) and r["chapter"] == "1" for r in rows)
 
 
+def test_parallel_grading_writes_a_gradebook_and_a_canvas_import(tmp_path):
+    import shutil
+
+    from kimilab.classroom.grade import grade, student_of
+
+    alice = _answered(tmp_path)
+    (tmp_path / "bob").mkdir()
+    shutil.copy(alice, tmp_path / "bob" / alice.name)
+    out = tmp_path / "grades.csv"
+    grade([tmp_path], out, jobs=2, echo=lambda line: None)
+    with open(tmp_path / "grades-gradebook.csv", newline="") as f:
+        book = list(csv.reader(f))
+    assert book[0] == ["student", "1.1", "1.2", "1.3", "1.6", "total"]
+    assert book[1:] == [["alice", "1", "0", "0", "0", "1"], ["bob", "1", "0", "0", "0", "1"]]
+    with open(tmp_path / "grades-canvas.csv", newline="") as f:
+        canvas = list(csv.reader(f))
+    assert canvas[0][:5] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"] and canvas[0][5:] == [
+        "kimilab chapter 1"]
+    assert canvas[1][0] == "Points Possible" and canvas[1][5] == "4"
+    assert [(r[0], r[3], r[5]) for r in canvas[2:]] == [("alice", "alice", "1"), ("bob", "bob", "1")]
+    assert student_of(alice, [alice]) == alice.stem  # a notebook named alone: its stem
+
+
 def test_the_grader_names_a_bad_argument_in_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kimilab", "grade", str(tmp_path / "missing")],
                          capture_output=True, text=True)
@@ -204,7 +227,8 @@ def test_one_submission_cannot_stop_the_class_or_write_a_formula(tmp_path):
     _notebook(sub / "e_formula.ipynb", forged)
     out, lines = tmp_path / "grades.csv", []
     rows = grade([sub], out, timeout=5, echo=lines.append)
-    assert len(lines) == 5 and lines[-1].startswith("[5/5] ")
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == 5 and progress[-1].startswith("[5/5] ") and lines[-1].startswith("gradebook: ")
     by = {(Path(r["notebook"]).stem, r["exercise"]): r for r in rows}
     assert by["a_dies", "1.1"]["status"] == "wrong"
     assert by["a_dies", "1.2"]["status"] == "error" and "kernel died" in by["a_dies", "1.2"]["message"]

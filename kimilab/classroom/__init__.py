@@ -32,7 +32,7 @@ def main() -> int:
     return 0
 
 
-def grade_main(paths: list[str], out: str, timeout: int) -> int:
+def grade_main(paths: list[str], out: str, timeout: int, jobs: int = 1) -> int:
     """``make grade``: execute the notebooks, write the CSV, print one line per notebook."""
     from kimilab.classroom.grade import grade
 
@@ -44,7 +44,7 @@ def grade_main(paths: list[str], out: str, timeout: int) -> int:
         print(f"python -m kimilab grade: error: {err}", file=sys.stderr)
         return 2
     try:
-        rows = grade(paths, Path(out), timeout=timeout)
+        rows = grade(paths, Path(out), timeout=timeout, jobs=jobs)
     except ValueError as err:
         print(f"python -m kimilab grade: error: argument SUBMISSION: {err}", file=sys.stderr)
         return 2

@@ -14,6 +14,13 @@ answer is ``None``), ``error`` (the ``verify`` cell raised, the kernel died or a
 past the time limit; the message says what) or ``not run`` (no ``verify`` call for it
 executed, or the notebook has none). ``points`` is 1 for correct, else 0.
 
+``--jobs N`` grades N notebooks at once (each in its own kernel). Beside the CSV go a
+gradebook (``NAME-gradebook.csv``: one row per student, one column per exercise, the total)
+and an LMS export in Canvas's gradebook-import layout (``NAME-canvas.csv``: one column of
+points per chapter). A student is the folder under the named SUBMISSION folder that holds
+the notebook (``submissions/alice/01_naive_kv_cache.ipynb`` is ``alice``), else the file's
+stem.
+
 One submission cannot stop the class: a notebook that cannot be read, kills its kernel or
 hangs gets its rows with the reason, and grading goes on; each notebook's rows reach the
 CSV as soon as it is graded. A cell that begins with ``= + - @`` is written with a leading
@@ -31,7 +38,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["FIELDS", "find_notebooks", "grade_notebook", "grade", "csv_safe"]
+__all__ = ["FIELDS", "find_notebooks", "grade_notebook", "grade", "csv_safe", "student_of", "gradebook"]
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("notebook", "chapter", "exercise", "status", "points", "message")
@@ -131,16 +138,12 @@ def grade_notebook(path: Path, *, timeout: int = 600) -> list[dict]:
     stopped = None
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "verdicts.jsonl"
-        saved = {k: os.environ.get(k) for k in (GRADE_LOG_ENV, "KIMILAB_FIGURES")}
-        os.environ.update({GRADE_LOG_ENV: str(log), "KIMILAB_FIGURES": tmp})
+        env = dict(os.environ, **{GRADE_LOG_ENV: str(log), "KIMILAB_FIGURES": tmp})  # this kernel's only
         try:
             NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                           resources={"metadata": {"path": str(ROOT / "chapters")}}).execute()
+                           resources={"metadata": {"path": str(ROOT / "chapters")}}).execute(env=env)
         except Exception as err:  # a dead or hung kernel ends this notebook, not the class
             stopped = _stopped(err, timeout)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         verdicts = _verdicts(log)
     stubs, errors = _errors(nb)
     rows = []
@@ -168,22 +171,72 @@ def csv_safe(value):
     return value
 
 
-def grade(paths: list[str | Path], out: Path, *, timeout: int = 600, echo=print) -> list[dict]:
-    """Grade every notebook found under ``paths``, writing each one's rows to the CSV ``out`` as it
-    finishes (so a crash later loses nothing graded); returns the rows."""
+def student_of(path: Path, paths: list[str | Path]) -> str:
+    """The student a notebook belongs to: its first folder below the SUBMISSION folder holding it, else its stem."""
+    for root in map(Path, paths):
+        try:
+            rel = Path(path).resolve().relative_to(root.resolve())
+        except ValueError:
+            continue
+        if root.is_dir() and len(rel.parts) > 1:
+            return rel.parts[0]
+    return Path(path).stem
+
+
+def gradebook(rows: list[dict], paths: list[str | Path]) -> tuple[list[str], list[list]]:
+    """(header, one row per student): the student, the points of each exercise seen, the total."""
+    exercises = sorted({r["exercise"] for r in rows if r["exercise"]},
+                       key=lambda e: tuple(int(x) for x in e.split(".")))
+    book: dict[str, dict] = {}
+    for r in rows:
+        got = book.setdefault(student_of(Path(r["notebook"]), paths), {})
+        if r["exercise"]:
+            got[r["exercise"]] = got.get(r["exercise"], 0) + r["points"]
+    body = [[s] + [got.get(e, 0) for e in exercises] + [sum(got.values())] for s, got in sorted(book.items())]
+    return ["student"] + exercises + ["total"], body
+
+
+def _write_gradebooks(rows: list[dict], paths, out: Path) -> tuple[Path, Path]:
+    """The gradebook and the Canvas import next to ``out`` (``NAME-gradebook.csv``, ``NAME-canvas.csv``)."""
+    header, body = gradebook(rows, paths)
+    book, canvas = (out.with_name(f"{out.stem}-{kind}.csv") for kind in ("gradebook", "canvas"))
+    with open(book, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([header] + [[csv_safe(v) for v in row] for row in body])
+    chapters = sorted({int(e.split(".")[0]) for e in header[1:-1]})
+    with open(canvas, "w", newline="", encoding="utf-8") as f:  # Canvas: Student, ID, SIS User ID, SIS Login ID, Section
+        w = csv.writer(f)
+        w.writerow(["Student", "ID", "SIS User ID", "SIS Login ID", "Section"] + [f"kimilab chapter {c}" for c in chapters])
+        w.writerow(["Points Possible", "", "", "", ""] + [sum(e.split(".")[0] == str(c) for e in header[1:-1])
+                                                         for c in chapters])
+        for row in body:
+            pts = dict(zip(header[1:-1], row[1:-1]))
+            w.writerow([csv_safe(row[0]), "", "", csv_safe(row[0]), ""]
+                       + [sum(v for e, v in pts.items() if e.split(".")[0] == str(c)) for c in chapters])
+    return book, canvas
+
+
+def grade(paths: list[str | Path], out: Path, *, timeout: int = 600, jobs: int = 1, echo=print) -> list[dict]:
+    """Grade every notebook found under ``paths`` (``jobs`` at a time), writing each one's rows to the CSV
+    ``out`` as it finishes (so a crash later loses nothing graded), then the gradebook and the Canvas
+    export beside it; returns the rows."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed  # each notebook runs in its own kernel
+
     notebooks = find_notebooks(paths)
     if not notebooks:
         raise ValueError(f"{' '.join(map(str, paths))}: no notebooks found")
     rows = []
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="", encoding="utf-8") as f:
+    with open(out, "w", newline="", encoding="utf-8") as f, ThreadPoolExecutor(max(1, jobs)) as pool:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         f.flush()
-        for k, path in enumerate(notebooks, start=1):
-            mine = grade_notebook(path, timeout=timeout)
+        running = {pool.submit(grade_notebook, path, timeout=timeout): path for path in notebooks}
+        for k, done in enumerate(as_completed(running), start=1):
+            mine = done.result()
             writer.writerows({key: csv_safe(v) for key, v in r.items()} for r in mine)
             f.flush()
-            echo(f"[{k}/{len(notebooks)}] {path}: {sum(r['points'] for r in mine)}/{len(mine)} correct")
+            echo(f"[{k}/{len(notebooks)}] {running[done]}: {sum(r['points'] for r in mine)}/{len(mine)} correct")
             rows += mine
+    book, canvas = _write_gradebooks(rows, paths, out)
+    echo(f"gradebook: {book}; Canvas import: {canvas}")
     return rows
