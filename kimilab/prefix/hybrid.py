@@ -84,7 +84,10 @@ class HybridPrefixCache:
     always leaves at least one prompt token to compute (its logits start decoding).
     """
 
-    HEAP_SLACK = 64  # the checkpoint heap is compacted past HEAP_SLACK + 4 x the checkpoints held
+    # The checkpoint heap is compacted past HEAP_SLACK + 4 x the checkpoints held. Compaction forgets
+    # pinned checkpoints (queued again later, with new serials), so it can decide a tie between equal
+    # ranks: RunPrefixCache compacts by this same rule to keep every result equal (tests/test_runs.py).
+    HEAP_SLACK = 64
 
     def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs: CacheCosts, *,
                  partial_blocks: bool = False, allocs_per_node: int = 1):
