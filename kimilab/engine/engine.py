@@ -421,17 +421,12 @@ class Engine(DecodeClock):
         for live in lost:
             if self.executor is not None:
                 self.executor.drop(live)
-            live.allocs, live.path, live.cache, live.done = [], [], None, 0
-            live.restarts += 1
+            live.lose()
         self.alive = False
         self.memory = None
         return lost
 
     def check_no_leak(self) -> None:
         """After the last request: nothing pinned, every used page belongs to a cache."""
-        mem = self.memory
         assert not self.running and not len(self.queue)
-        for cache in mem.all_caches():
-            cache.check_invariants() if mem.quotas is None else cache.tree.check_invariants()
-            assert all(n.refcount == 0 for n in cache.tree.nodes()), "a finished request left its path pinned"
-        assert mem.pool.n_used == sum(mem.cached_pages().values()), (mem.pool.n_used, mem.cached_pages())
+        self.memory.check_no_leak()

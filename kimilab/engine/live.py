@@ -47,6 +47,11 @@ class Live:
     def decoding(self) -> bool:
         return self.done >= self.ctx
 
+    def lose(self) -> None:
+        """Its instance failed: pages, cache path and progress are gone; it starts again elsewhere."""
+        self.allocs, self.path, self.cache, self.done = [], [], None, 0
+        self.restarts += 1
+
     @property
     def tokens(self) -> int:
         """Tokens it holds now: the context so far."""

@@ -122,3 +122,10 @@ class InstanceMemory:
 
     def all_caches(self) -> list[HybridPrefixCache]:
         return [self._shared] if self.quotas is None else list(self.caches.values())
+
+    def check_no_leak(self) -> None:
+        """With no request running or queued: no path pinned, every used page belongs to a cache."""
+        for cache in self.all_caches():
+            cache.check_invariants() if self.quotas is None else cache.tree.check_invariants()
+            assert all(n.refcount == 0 for n in cache.tree.nodes()), "a finished request left its path pinned"
+        assert self.pool.n_used == sum(self.cached_pages().values()), (self.pool.n_used, self.cached_pages())
