@@ -2,7 +2,8 @@
 
 Commands:
 
-* ``prefix TRACE``          replay a Mooncake-format trace through a prefix cache; one JSON object
+* ``prefix TRACE``          replay a Mooncake trace or Claude Code sessions through any cache of
+                            chapter 6 (``kimilab.sim.command``); one JSON object
 * ``traces stats FILE...``  validate traces and print their statistics
 * ``traces regenerate DIR`` write the book's generated traces (byte-identical to data/)
 * ``memory``                a model's cache bytes and roofline decode time against a baseline
@@ -22,12 +23,11 @@ A bad argument or a bad trace line is one line on stderr naming it, and exit sta
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 from typing import Sequence
 
-from kimilab.validate import HelpWithDefaults, positive_float_arg, positive_int_arg
+from kimilab.validate import HelpWithDefaults, nonnegative_float_arg, positive_float_arg, positive_int_arg
 
 __all__ = ["main"]
 
@@ -55,6 +55,17 @@ def _capacity(text: str) -> int | None:
     return positive_int_arg(text)
 
 
+def _nonnegative_int(text: str) -> int:
+    """An int >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be an int >= 0")
+    return value
+
+
 def _add_deployment(parser) -> None:
     """``--deployment``: which named deployment prices every byte (per device) and second."""
     from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
@@ -73,36 +84,53 @@ def _version() -> str:
 
 
 def _parser() -> _Parser:
+    from inspect import signature
+
     from kimilab.config import PRESETS
     from kimilab.fleet.routers import ROUTERS
     from kimilab.prefix.policies import POLICIES
+    from kimilab.sim import command
+    from kimilab.sim.sweep import CACHES, SESSIONS_PER_S
 
     top = _Parser(prog="python -m kimilab", description=__doc__.splitlines()[0])
     top.add_argument("--version", action="version", version=f"kimilab {_version()}")
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prefix", help="replay a trace through a prefix cache; print one JSON object",
-                       description="Replay a Mooncake-format trace through a dual-granularity prefix "
-                                   "cache and print one JSON object of hit rates, memory and FLOPs.")
-    p.add_argument("trace", metavar="TRACE.jsonl",
-                   help="Mooncake jsonl trace (timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--policy", choices=list(POLICIES), required=True,
-                   help="where KDA states are checkpointed: " + ", ".join(POLICIES))
+                       description="Replay a Mooncake-format trace or converted Claude Code sessions through "
+                                   "any prefix cache chapter 6 compares and print one JSON object of hit rates, "
+                                   "memory and FLOPs (the numbers kimilab.sim.replay gives).")
+    p.add_argument("trace", metavar="TRACE",
+                   help="a Mooncake jsonl trace (timestamp, input_length, output_length, hash_ids), or converted "
+                        "Claude Code sessions (a name ending in .jsonl.gz, as traces convert-claude-code writes)")
+    p.add_argument("--policy", choices=list(CACHES), required=True, metavar="NAME",
+                   help="the cache: a checkpoint policy (where KDA states are kept: " + ", ".join(POLICIES) + "), "
+                        "a design that ships (vllm-align at vLLM's own block for the deployment, marconi, "
+                        "sglang-no-buffer, sglang-extra-buffer), or the clairvoyant bound oracle")
     p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
                    help="cache memory per device in tokens of KV (N * KV bytes per token on one device), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")
     p.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
                    help="config preset whose bytes and FLOPs are used")
     p.add_argument("--block-size", type=positive_int_arg, default=512,
-                   help="tokens per hash block and per KV page (512 is Mooncake's)")
+                   help="tokens per KV page and per id of a Mooncake trace (512 is Mooncake's); sessions (an id "
+                        "per 512 tokens) are re-keyed to it; vllm-align re-keys to vLLM's block instead")
     p.add_argument("--interval", type=positive_int_arg, default=None,
-                   help="checkpoint interval in tokens, for the policies that take one (align, dual, chunk-ends, "
-                        "periodic; if not given, each policy's own default)")
-    p.add_argument("--alpha", type=float, default=0.005,
-                   help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers")
-    p.add_argument("--partial-blocks", action="store_true", help="also cache a prompt's trailing partial block")
+                   help="checkpoint interval in tokens, for the caches that take one (align, dual, chunk-ends, "
+                        "periodic; SGLang's chunk size; if not given, each one's own default)")
+    p.add_argument("--alpha", type=nonnegative_float_arg, default=None,
+                   help="dual: weight of FLOPs-per-byte vs recency, in cache turnovers (if not given, "
+                        f"{signature(POLICIES['dual']).parameters['alpha'].default}, dual's own); marconi: a fixed "
+                        "alpha (if not given, tuned online as Marconi does)")
+    p.add_argument("--sessions-per-s", type=positive_float_arg, default=None, metavar="RATE",
+                   help=f"sessions only: Poisson session starts per second (if not given, {SESSIONS_PER_S}, as "
+                        "chapter 6)")
+    p.add_argument("--seed", type=_nonnegative_int, default=None,
+                   help="sessions only: the seed of their order and start times (if not given, 0)")
+    p.add_argument("--partial-blocks", action="store_true",
+                   help="also cache a prompt's trailing partial block (the checkpoint policies only)")
     _add_deployment(p)
-    p.set_defaults(func=_prefix, parser=p)
+    p.set_defaults(func=command.run, parser=p)
 
     t = sub.add_parser("traces", help="trace files: statistics, or regenerate the book's traces")
     tsub = t.add_subparsers(dest="traces_command", required=True, parser_class=_Parser)
@@ -216,11 +244,6 @@ def _parser() -> _Parser:
 
 
 
-def _no_requests(path: str) -> str:
-    """The one message every command gives for a trace without a request."""
-    return f"{path}: holds no requests; expected one JSON object per line"
-
-
 def _failure(text: str) -> tuple[int, float]:
     inst, sep, at = text.partition("@")
     if not sep:
@@ -239,6 +262,7 @@ def _fleet(args, parser) -> int:
     from kimilab.costs import deployment
     from kimilab.fleet import run_fleet
     from kimilab.fleet.tenants import load_tenants
+    from kimilab.sim.command import no_requests
 
     for i, _ in args.fail:
         if i >= args.instances:
@@ -250,7 +274,7 @@ def _fleet(args, parser) -> int:
     except (ValueError, OSError) as err:
         parser.error(str(err))
     if not requests:
-        parser.error(_no_requests(", ".join(args.traces)))
+        parser.error(no_requests(", ".join(args.traces)))
     try:
         result = run_fleet(requests, preset(args.model), deployment=deployment(args.deployment),
                            instances=args.instances, router=args.router,
@@ -300,55 +324,8 @@ def _cp(args, parser) -> int:
     return 0
 
 
-def _prefix(args, parser) -> int:
-    from kimilab.config import preset
-    from kimilab.costs import deployment
-    from kimilab.prefix import HybridPrefixCache, RunPrefixCache, make_policy
-    from kimilab.prefix.policies import POLICIES
-    from kimilab.sim import simulate
-    from kimilab.traffic import load_trace
-
-    takes_interval = sorted(n for n, cls in POLICIES.items() if "interval" in inspect.signature(cls).parameters)
-    if args.interval is not None and args.policy not in takes_interval:
-        parser.error(f"--interval: only {', '.join(takes_interval)} take a checkpoint interval, not {args.policy}")
-    if args.capacity_tokens is not None and args.capacity_tokens < args.block_size:
-        parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one block "
-                     f"(--block-size={args.block_size})")
-    kwargs = {}
-    if args.interval is not None:
-        kwargs["interval"] = args.interval
-    if args.policy == "dual":
-        kwargs["alpha"] = args.alpha
-    try:
-        records = load_trace(args.trace, args.block_size)
-    except (ValueError, OSError) as err:
-        parser.error(f"{args.trace}: {err}")
-    if not records:
-        parser.error(_no_requests(args.trace))
-    try:
-        policy = make_policy(args.policy, **kwargs)
-        if args.partial_blocks or any(r.tokens is not None for r in records):
-            cache = HybridPrefixCache.for_budget(preset(args.model), policy, deployment=deployment(args.deployment),
-                                                 block_size=args.block_size,
-                                                 capacity_tokens=args.capacity_tokens,
-                                                 partial_blocks=args.partial_blocks)
-        else:  # whole blocks keyed by hash ids: the run-length twin gives the same numbers, faster
-            cache = RunPrefixCache(preset(args.model), policy, deployment=deployment(args.deployment),
-                                   block_size=args.block_size,
-                                   capacity_tokens=args.capacity_tokens)
-    except ValueError as err:
-        parser.error(str(err))
-    try:
-        result = simulate(records, cache=cache)
-    except ValueError as err:  # e.g. a partial block's id seen with two lengths: the trace contradicts itself
-        parser.error(f"{args.trace}: {err}; expected each block id to stand for the same tokens throughout")
-    out = result.as_dict()
-    out["policy_detail"] = policy.describe()
-    print(json.dumps(out))
-    return 0
-
-
 def _traces(args, parser) -> int:
+    from kimilab.sim.command import no_requests
     from kimilab.traffic import format_stats, load_trace, regenerate, trace_stats
 
     if args.traces_command == "convert-claude-code":
@@ -376,7 +353,7 @@ def _traces(args, parser) -> int:
         except (ValueError, OSError) as err:
             parser.error(f"{path}: {err}")
         if not records:
-            parser.error(_no_requests(path))
+            parser.error(no_requests(path))
         print(format_stats(path, trace_stats(records, args.block_size)))
     return 0
 

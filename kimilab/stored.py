@@ -53,8 +53,9 @@ def _inputs() -> list[Path]:
 
 
 # modules that present or grade results and compute none (editing them leaves every stored result current)
+# (kimilab.sim.command is the prefix command, moved out of __main__: no stored result calls it)
 PRESENTATION = ("kimilab.notebook", "kimilab.plots", "kimilab.exercises", "kimilab.site", "kimilab.classroom",
-                "kimilab.readability", "kimilab.book", "kimilab.stored", "kimilab.__main__")
+                "kimilab.readability", "kimilab.book", "kimilab.stored", "kimilab.__main__", "kimilab.sim.command")
 
 
 def _loaded_sources() -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kimilab.__main__ import main
+from kimilab.sim import CACHES
 from kimilab.traffic import Request, load_trace, write_trace
 
 KEYS = ["policy", "model", "deployment", "block_size", "capacity_tokens", "capacity_pages", "checkpoint_pages",
@@ -274,3 +275,116 @@ def test_every_command_refuses_an_unchained_trace_alike(tmp_path):
 def test_version_is_printed():
     proc = _run("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("kimilab ") and proc.stderr == ""
+
+
+# ----- issue 37: every cache chapter 6 compares, on either kind of trace, prints what replay gives -----
+
+
+@pytest.fixture(scope="module")
+def conversation(tmp_path_factory, data_dir):
+    """The first 300 requests of the real Kimi chat hour: small, yet 1 GB per device evicts."""
+    lines = (data_dir / "mooncake_conversation.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    path = tmp_path_factory.mktemp("conversation") / "conversation.jsonl"
+    path.write_text("".join(lines[:300]), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory, data_dir):
+    """Three of the converted Claude Code sessions, written as traces convert-claude-code writes them."""
+    from kimilab.traffic import CLAUDE_CODE, load_sessions
+    from kimilab.traffic.claude_code import write_sessions
+
+    rows = load_sessions(data_dir / CLAUDE_CODE)
+    keep = sorted({r.session for r in rows})[:3]
+    return write_sessions([r for r in rows if r.session in keep], tmp_path_factory.mktemp("sessions") / "s.jsonl.gz")
+
+
+def _as_replayed(job, out):
+    """What ``replay(job)`` gives, in the command's JSON (its wall time and the cache's name aside)."""
+    from kimilab.sim import replay
+
+    res = replay(job)
+    return res.as_dict() | {"policy": job.policy, "run_wall_s": out["run_wall_s"], "policy_detail": res.policy_detail}
+
+
+@pytest.mark.parametrize("name", CACHES)
+def test_prefix_runs_every_cache_and_prints_what_replay_gives(conversation, capsys, name):
+    from kimilab.costs import DEFAULT_DEPLOYMENT
+    from kimilab.sim import Replay
+
+    job = Replay(str(conversation), name, 1, DEFAULT_DEPLOYMENT)
+    out = run_json(capsys, ["prefix", str(conversation), "--policy", name,
+                            "--capacity-tokens", str(job.capacity_tokens())])
+    assert list(out) == KEYS and out["policy"] == name and out["requests"] == 300
+    assert out == _as_replayed(job, out)
+    assert out["checkpoints_evicted"] > 0 or name in ("kv-only", "no-states")  # the memory binds
+
+
+@pytest.mark.parametrize("name, argv, options", [
+    ("marconi", ["--alpha", "0.5"], (("alpha", 0.5),)),
+    ("dual", ["--alpha", "0", "--interval", "4096"], (("interval", 4096), ("alpha", 0.0))),
+    ("sglang-extra-buffer", ["--interval", "4096"], (("interval", 4096),)),
+])
+def test_prefix_options_reach_the_cache_as_replay_options(conversation, capsys, name, argv, options):
+    from kimilab.costs import DEFAULT_DEPLOYMENT
+    from kimilab.sim import Replay
+
+    job = Replay(str(conversation), name, 1, DEFAULT_DEPLOYMENT, options=options)
+    out = run_json(capsys, ["prefix", str(conversation), "--policy", name,
+                            "--capacity-tokens", str(job.capacity_tokens()), *argv])
+    assert out == _as_replayed(job, out)
+    assert ("alpha=0.5" in out["policy_detail"]) == (name == "marconi")
+
+
+@pytest.mark.parametrize("name, argv, rate, seed", [
+    ("ends", [], 0.05, 0),  # chapter 6's rate and seed when not given
+    ("vllm-align", ["--sessions-per-s", "0.2", "--seed", "3"], 0.2, 3),  # re-keyed to vLLM's 480-token block
+    ("marconi", ["--seed", "1"], 0.05, 1),
+])
+def test_prefix_reads_claude_code_sessions_as_replay_does(sessions, capsys, name, argv, rate, seed):
+    """Once a UTF-8 error: the .jsonl.gz sessions go on one Poisson timeline, as chapter 6 replays them."""
+    from kimilab.costs import DEFAULT_DEPLOYMENT
+    from kimilab.sim import Replay
+
+    job = Replay(str(sessions), name, 1, DEFAULT_DEPLOYMENT, sessions_per_s=rate, seed=seed)
+    out = run_json(capsys, ["prefix", str(sessions), "--policy", name,
+                            "--capacity-tokens", str(job.capacity_tokens()), *argv])
+    assert out == _as_replayed(job, out) and out["requests"] > 0
+    assert out["block_size"] == (480 if name == "vllm-align" else 512)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "ends", "--alpha", "0.1"], "--alpha: only dual, marconi take an alpha, not ends"),
+    (["--policy", "dual", "--alpha", "nan"], "--alpha: nan must be a finite number >= 0"),
+    (["--policy", "oracle", "--interval", "1024"], "--interval: only"),
+    (["--policy", "marconi", "--partial-blocks"], "--partial-blocks: marconi caches whole blocks only"),
+    (["--policy", "ends", "--seed", "1"], "--seed: only for converted Claude Code sessions"),
+    (["--policy", "ends", "--sessions-per-s", "1"], "--sessions-per-s: only for converted Claude Code sessions"),
+    (["--policy", "ends", "--seed", "-1"], "--seed: -1 must be an int >= 0"),
+    (["--policy", "vllm-align", "--capacity-tokens", "400"], "at least one block (vLLM's 480-token block"),
+])
+def test_bad_prefix_options_are_one_line_naming_the_option(trace, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["prefix", str(trace), "--capacity-tokens", "10000"] + argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_gzip_that_is_not_claude_code_sessions_is_one_line(tmp_path, capsys, sessions, data_dir):
+    import gzip
+
+    cases = {"truncated.jsonl.gz": (sessions.read_bytes()[:200], "not readable as gzip-compressed"),
+             "bent.jsonl.gz": (b"\x1f\x8b garbage", "not readable as gzip-compressed"),
+             "binary.jsonl.gz": (bytes(range(128, 256)), "not readable as gzip-compressed"),
+             "mooncake.jsonl.gz": (gzip.compress((data_dir / "chat.jsonl").read_bytes()), "line 1: field 'session'"),
+             "strings.jsonl.gz": (gzip.compress(b'{"session": 0, "agent": 0, "t_ms": 0, "api_ms": 0, "input_length":'
+                                                b' 5, "output_length": 1, "hash_ids": ["a"]}\n'), "'hash_ids'[0]='a'"),
+             "packed.jsonl": (gzip.compress((data_dir / "chat.jsonl").read_bytes()), "a gzip file; expected")}
+    for name, (body, says) in cases.items():
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(SystemExit) as exc:
+            main(["prefix", str(tmp_path / name), "--policy", "ends", "--capacity-tokens", "inf"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"{tmp_path / name}: " in err and says in err, (name, err)
+        assert err.count("\n") == 1 and "Traceback" not in err

@@ -8,6 +8,7 @@ stderr and no traceback. `make test` runs a few derandomised examples of each; `
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import math
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from kimilab.__main__ import main
 from kimilab.fleet.routers import ROUTERS
 from kimilab.prefix.policies import POLICIES
+from kimilab.sim.sweep import CACHES, cache_options
 
 LIMIT_S = 30  # one command's wall-clock limit: past it the example fails as a hang
 
@@ -83,6 +85,30 @@ def trace_text(draw, clean: bool) -> str:
     return "\n".join(lines) + ("\n" if lines and draw(st.booleans()) else "")
 
 
+@st.composite
+def sessions_bytes(draw, clean: bool) -> bytes:
+    """Converted Claude Code sessions (a .jsonl.gz): gzip-compressed session lines when ``clean``, else
+    bent lines, and plain, truncated or not-gzip bytes too."""
+    lines, t = [], 0
+    for _ in range(draw(st.integers(1 if clean else 0, 6))):
+        t += draw(st.integers(0, 2_000))
+        d = draw(_good_line(t))
+        d = {"session": draw(st.integers(0, 2)), "agent": 0, "t_ms": d.pop("timestamp"), "api_ms": 100, **d}
+        if not clean and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(d)))
+            if draw(st.booleans()):
+                del d[key]
+            else:
+                d[key] = draw(st.one_of(_numbers, _json))
+        lines.append(json.dumps(d))
+    text = ("\n".join(lines) + "\n").encode()
+    how = "gzip" if clean else draw(st.sampled_from(["gzip", "gzip", "truncated", "plain", "binary"]))
+    if how == "binary":
+        return draw(st.binary(max_size=40))
+    packed = text if how == "plain" else gzip.compress(text)
+    return packed[:draw(st.integers(0, max(len(packed) - 1, 0)))] if how == "truncated" else packed
+
+
 # ----- arguments: each command's flags with good and bad values -----
 
 @st.composite
@@ -99,10 +125,19 @@ def argv(draw, trace: str, clean: bool) -> list[str]:
     caps = (["inf", "512", "100000", "99999999999999"], ["0", "511", "-5", "abc", "1e3"])
     cmd = draw(st.sampled_from(["prefix", "stats", "fleet", "memory"]))
     if cmd == "prefix":
-        out = ["prefix", trace, "--policy", pick(POLICIES, ["bogus"]), "--capacity-tokens", pick(*caps)]
+        policy = pick(CACHES, ["bogus"])
+        takes = set(cache_options(policy)) if policy in CACHES else set()
+        sessions = trace.endswith(".jsonl.gz")
+        out = ["prefix", trace, "--policy", policy, "--capacity-tokens", pick(*caps)]
         out += opt("--block-size", ["512"], ["16", "0", "x", "1000000"])
-        out += [] if clean else opt("--interval", ["1024", "7"], ["0", "-1"])  # only some policies take one
-        out += draw(st.sampled_from([[], ["--partial-blocks"]]))
+        # when clean, only the options this cache and this kind of trace take (the others are refused)
+        out += opt("--interval", ["1024", "8192"], ["7", "0", "-1"]) if "interval" in takes or not clean else []
+        out += opt("--alpha", ["0", "0.5"], ["-1", "nan", "x"]) if "alpha" in takes or not clean else []
+        if sessions or not clean:
+            out += opt("--sessions-per-s", ["0.05", "10"], ["0", "-1", "inf", "1e-320"])
+            out += opt("--seed", ["0", "7"], ["-1", "x"])
+        out += draw(st.sampled_from([[], ["--partial-blocks"]])) if policy in POLICIES or not clean else []
+        out += opt("--deployment", ["vllm-tp4-h200", "dp4-ep4-h200"], ["nope"])
     elif cmd == "stats":
         out = ["traces", "stats", trace] + opt("--block-size", ["512"], ["1", "0", "-3"])
     elif cmd == "fleet":
@@ -144,8 +179,12 @@ def run(args: list[str]) -> tuple[int, str]:
 def test_any_arguments_on_any_trace_end_in_0_or_one_line_and_2(data, clean):
     """Half the examples are clean (a valid trace and good flags) and half anything goes."""
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "t.jsonl"
-        trace.write_text(data.draw(trace_text(clean)), encoding="utf-8")
+        if data.draw(st.integers(0, 3)):  # a Mooncake trace, or (one time in four) Claude Code sessions
+            trace = Path(tmp) / "t.jsonl"
+            trace.write_text(data.draw(trace_text(clean)), encoding="utf-8")
+        else:
+            trace = Path(tmp) / "t.jsonl.gz"
+            trace.write_bytes(data.draw(sessions_bytes(clean)))
         args = data.draw(argv(str(trace), clean))
         rc, err = run(args)
     event(f"{args[0]}: exit {rc}")  # --hypothesis-show-statistics: how many runs got through

@@ -269,3 +269,16 @@ def test_simulate_many_gives_the_serial_numbers():
             reqs, memory=RequestAllocator(jobs[k][1], SHAPES, 2**29), prefill_tokens_per_step=jobs[k][4]).summary()
     with pytest.raises(ValueError, match="jobs"):
         simulate_many({"x": (reqs,)})
+
+
+def test_build_cache_refuses_an_option_the_cache_does_not_take():
+    """Once SGLang's caches ignored any option but interval and ratio; now every cache names what it takes."""
+    from kimilab.sim.sweep import build_cache, cache_options
+
+    assert cache_options("sglang-no-buffer") == ("interval", "ratio") and cache_options("oracle") == ()
+    assert "alpha" in cache_options("marconi") and "alpha" in cache_options("dual")
+    for name, options in (("sglang-no-buffer", {"alpha": 1.0}), ("vllm-align", (("interval", 1024),)),
+                          ("ends", {"interval": 1024})):
+        with pytest.raises(ValueError, match=f"options: {name} takes"):
+            build_cache(name, [], config.kimi_linear_48b, ONE_H200, block_size=512, capacity_tokens=None,
+                        options=options)
