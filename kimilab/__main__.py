@@ -157,6 +157,8 @@ def _parser() -> _Parser:
     b = sub.add_parser("book", help="execute every chapter and render the book")
     b.add_argument("--only", nargs="+", metavar="NN", help="build only these chapter numbers")
     b.add_argument("--no-html", action="store_true", help="skip rendering HTML")
+    b.add_argument("--jobs", type=positive_int_arg, default=None, metavar="N",
+                   help="chapters executed at once (if not given: one per core, at most 2)")
     b.set_defaults(func=_book, parser=b)
 
     h = sub.add_parser("html", help="render the web edition from the executed chapters into _build/html/")
@@ -389,7 +391,8 @@ def _experiment(args, parser) -> int:
 def _book(args, parser) -> int:
     from kimilab import book
 
-    return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else []))
+    return book.main((["--only", *args.only] if args.only else []) + (["--no-html"] if args.no_html else [])
+                     + (["--jobs", str(args.jobs)] if args.jobs else []))
 
 
 # What the boundary turns into one line and exit 2: bad values and sizes, bad or unreadable paths,
