@@ -103,10 +103,11 @@ def _parser() -> _Parser:
     p.add_argument("trace", metavar="TRACE",
                    help="a Mooncake jsonl trace (timestamp, input_length, output_length, hash_ids), or converted "
                         "Claude Code sessions (a name ending in .jsonl.gz, as traces convert-claude-code writes)")
-    p.add_argument("--policy", choices=list(CACHES), required=True, metavar="NAME",
+    p.add_argument("--policy", choices=[*CACHES, "auto"], required=True, metavar="NAME",
                    help="the cache: a checkpoint policy (where KDA states are kept: " + ", ".join(POLICIES) + "), "
                         "a design that ships (vllm-align at vLLM's own block for the deployment, marconi, "
-                        "sglang-no-buffer, sglang-extra-buffer), or the clairvoyant bound oracle")
+                        "sglang-no-buffer, sglang-extra-buffer), the clairvoyant reference oracle, or auto: the "
+                        "online policy chapter 6's map picks for the trace's sharing statistics (it prints why)")
     p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
                    help="cache memory per device in tokens of KV (N * KV bytes per token on one device), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")

@@ -248,6 +248,7 @@ def test_outputs_are_checked_before_any_work_and_book_names_a_missing_chapter(tm
     _one_line_rc2(_run("experiment", "--part", "a", "--out", afile / "sub"), "--out=", "writable directory")
     _one_line_rc2(_run("grade", tmp_path / "none.ipynb", "--out", tmp_path), "--out=", "is a directory")
     _one_line_rc2(_run("book", "--only", "99", "--no-html"), "--only: no chapter numbered ['99']")
+    _one_line_rc2(_run("book", "--jobs", "0", "--no-html"), "--jobs")
 
 
 def test_a_partial_block_id_with_two_lengths_is_named(tmp_path):
@@ -388,3 +389,28 @@ def test_a_gzip_that_is_not_claude_code_sessions_is_one_line(tmp_path, capsys, s
         err = capsys.readouterr().err
         assert exc.value.code == 2 and f"{tmp_path / name}: " in err and says in err, (name, err)
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_prefix_auto_runs_the_policy_the_map_picks_and_says_why(conversation, capsys, monkeypatch):
+    """``--policy auto``: the trace's sharing statistics, the map's choice, then that cache's replay.
+    The map here is a small stand-in (the shipped one is ``data/results/ch6_policy_map.json``, checked
+    by ``make results``), so the choice is known: ``vllm-align`` where reuse ends inside prompts."""
+    import kimilab.sim.policy_map as pm
+
+    def point(mid, winner):
+        hits = {name: 0.1 for name in pm.ONLINE + (pm.CLAIRVOYANT,)} | {winner: 0.2}
+        return {"shape": "chat", "stats": {"common": 1.0, "mid": mid, "turns": 1.8, "prompt": 12_000.0,
+                                           "fresh_per_min": 1e6},
+                "at": [{"reach": 1.0, "capacity_tokens": 10**6, "hits": hits}]}
+
+    monkeypatch.setattr(pm, "shipped_map", lambda: [point(m, "ends") for m in (0.0, 0.05, 0.1, 0.15)]
+                        + [point(m, "vllm-align") for m in (0.5, 0.6, 0.7, 0.8)])
+    out = run_json(capsys, ["prefix", str(conversation), "--policy", "auto", "--capacity-tokens", "100000"])
+    chosen = run_json(capsys, ["prefix", str(conversation), "--policy", "ends", "--capacity-tokens", "100000"])
+    assert out["policy"] == out["auto"]["chose"] == "ends" and "mid" in out["auto"]["why"]
+    assert {k: v for k, v in out.items() if k not in ("auto", "run_wall_s")} == \
+        {k: v for k, v in chosen.items() if k != "run_wall_s"}
+    for flag in (["--alpha", "0.5"], ["--partial-blocks"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["prefix", str(conversation), "--policy", "auto", "--capacity-tokens", "100000", *flag])
+        assert exc.value.code == 2 and flag[0] in capsys.readouterr().err

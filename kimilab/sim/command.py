@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 __all__ = ["run", "no_requests"]
 
@@ -29,6 +30,29 @@ def _takers(option: str) -> list[str]:
     return [name for name in CACHES if option in cache_options(name)]
 
 
+def _auto(args, parser, load_records) -> tuple[str, dict]:
+    """``--policy auto``: the trace's sharing statistics, and the policy chapter 6's map picks for them."""
+    from kimilab.sim.policy_map import choose_policy, shipped_map
+    from kimilab.sim.sweep import SESSIONS_PER_S
+    from kimilab.traffic.sharing import sharing_stats
+
+    try:
+        records = load_records(args.trace, args.block_size, trace_block=args.block_size,
+                               sessions_per_s=SESSIONS_PER_S if args.sessions_per_s is None else args.sessions_per_s,
+                               seed=0 if args.seed is None else args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    except OSError as err:
+        parser.error(f"{args.trace}: {err}")
+    if not records:
+        parser.error(no_requests(args.trace))
+    stats = sharing_stats(records, args.block_size)
+    capacity = math.inf if args.capacity_tokens is None else args.capacity_tokens
+    policy, why = choose_policy(stats, capacity, shipped_map())
+    print(f"auto: {policy}: {why}", file=sys.stderr)
+    return policy, {"chose": policy, "why": why, "stats": stats}
+
+
 def run(args, parser) -> int:
     """Check the arguments, replay the trace through the cache ``args.policy``, print one JSON object:
     :meth:`~kimilab.sim.result.SimResult.as_dict` (``policy`` the cache's name) and ``policy_detail``."""
@@ -40,6 +64,8 @@ def run(args, parser) -> int:
     from kimilab.sim.sweep import SESSIONS_PER_S, build_cache, cache_block, is_sessions, load_records
 
     name, sessions = args.policy, is_sessions(args.trace)
+    if name == "auto" and args.partial_blocks:
+        parser.error("--partial-blocks: --policy auto picks among whole-block caches; name a checkpoint policy")
     for flag, option, given in (("--interval", "interval", args.interval), ("--alpha", "alpha", args.alpha)):
         if given is not None and name not in _takers(option):
             parser.error(f"{flag}: only {', '.join(_takers(option))} take an {option}, not {name}")
@@ -54,6 +80,9 @@ def run(args, parser) -> int:
         parser.error(f"--partial-blocks: {name} caches whole blocks only, as its engine does; expected one of the "
                      f"checkpoint policies ({', '.join(POLICIES)}), which run on the block tree that caches them")
     config, dep = preset(args.model), deployment(args.deployment)
+    reason = None
+    if name == "auto":
+        name, reason = _auto(args, parser, load_records)
     block = cache_block(name, config, dep, args.block_size)
     if args.capacity_tokens is not None and args.capacity_tokens < block:
         which = f"vLLM's {block}-token block on {dep.name}" if name == "vllm-align" else f"--block-size={block}"
@@ -90,5 +119,7 @@ def run(args, parser) -> int:
     out = result.as_dict()
     out["policy"] = name  # the cache that ran, by the name it was asked for (oracle's own label: oracle/oracle)
     out["policy_detail"] = result.policy_detail
+    if reason is not None:
+        out["auto"] = reason
     print(json.dumps(out))
     return 0

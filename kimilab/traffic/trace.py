@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kimilab.traffic.request import DEFAULT_BLOCK_SIZE, Request
+from kimilab.traffic.sharing import sharing_stats
 from kimilab.validate import check_int
 
 __all__ = ["to_trace", "trace_to_jsonl", "write_trace", "parse_line", "load_trace", "check_chain",
@@ -222,7 +223,9 @@ def reuse_upper_bound(records: Sequence[Request], block_size: int = DEFAULT_BLOC
 
 
 def trace_stats(records: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
-    """Summary numbers of a trace: counts, length percentiles, shared first block, reuse bound."""
+    """Summary numbers of a trace: counts, length percentiles, shared first block, reuse bound, and its
+    sharing structure (:func:`~kimilab.traffic.sharing.sharing_stats`: common, mid, turns, fresh_per_min)."""
+
     if not records:
         raise ValueError("records: expected a non-empty trace")
     inp = np.array([r.input_length for r in records], dtype=np.float64)
@@ -241,6 +244,8 @@ def trace_stats(records: Sequence[Request], block_size: int = DEFAULT_BLOCK_SIZE
         "distinct_blocks": len({h for r in records for h in r.hash_ids}),
         "share_first_block": firsts.count(common) / len(records) if firsts else 0.0,
         "reuse_upper_bound": reuse_upper_bound(records, block_size),
+        **{k: v for k, v in sharing_stats(records, block_size).items() if k in ("common", "mid", "turns",
+                                                                                "fresh_per_min")},
     }
 
 
@@ -252,5 +257,7 @@ def format_stats(name: str, s: dict) -> str:
         f"max={s['input_max']} output mean={s['output_mean']:.1f} "
         f"prompt_tokens={s['prompt_tokens']} distinct_blocks={s['distinct_blocks']} "
         f"share_first_block={s['share_first_block']:.3f} "
-        f"reuse_upper_bound={s['reuse_upper_bound']:.3f}"
+        f"reuse_upper_bound={s['reuse_upper_bound']:.3f} "
+        f"common={s['common']:.3f} mid={s['mid']:.3f} turns={s['turns']:.2f} "
+        f"fresh_per_min={s['fresh_per_min']:.0f}"
     )
