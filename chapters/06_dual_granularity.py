@@ -29,9 +29,9 @@
 #   checkpoint exist. A hybrid model resumes there; a KV hit without a state saves nothing.
 # - That resuming from a checkpoint is *exact*: the same logits and cache as a cold prefill.
 # - Why the checkpoint interval is a memory trade-off: every state is paid for in KV pages.
-# - Which interval wins on real traffic, from 10 GB to 160 GB of cache per device.
+# - Which interval wins on real traffic, and which policy wins for which traffic: a map.
 # - In deep dives: the designs that ship (Marconi, vLLM, SGLang, TensorRT-LLM) beside a
-#   clairvoyant cache, a second trace of agent sessions, int8 checkpoints, DP-attention.
+#   clairvoyant cache, int8 checkpoints, DP-attention.
 #
 # **What you'll need.** Chapter 5 (radix tree, traces, why a KV hit alone saves nothing
 # for a hybrid model) and chapter 4 (the page pool). Bytes, FLOPs and seconds are per
@@ -53,7 +53,7 @@ from kimilab.exercises import verify
 from kimilab.model import HybridCache, Model
 from kimilab.notebook import key_results, show_source, show_table
 from kimilab.prefix import fidelity, marconi, offload, precision
-from kimilab.sim import SGLANG_RATIO, Replay, replay_many, simulate, vllm_align_interval
+from kimilab.sim import SGLANG_RATIO, Replay, policy_map, replay_many, simulate, vllm_align_interval
 from kimilab.sim.result import SimResult
 from kimilab.sim.sweep import replay_records, replay_spec
 from kimilab.stored import stored
@@ -88,6 +88,8 @@ hit = {k: r.usable_hit_rate for k, r in sweep.items()}
 state_share = {k: r.checkpoint_bytes_mean / (r.checkpoint_bytes_mean + r.kv_bytes_mean) for k, r in sweep.items()}
 ends_gap = max(max(hit[s, gb] for s in SCHEMES if s != "attention") - hit["request ends", gb] for gb in SIZES)
 h512, hends, hkv = hit["every 512", 40], hit["request ends", 40], hit["attention", 40]
+cases = policy_map.cell_summary(policy_map.shipped_map())  # section "Which policy for which traffic"
+held = stored("ch6_held_out", policy_map.held_out, n=16)
 key_results(
     f"A hybrid model can resume a cached prefix only at a usable hit, where the KV and a KDA state checkpoint "
     f"both exist; a checkpoint costs {page[DEP]:.2f} KV pages of {BLOCK} tokens per TP4 device, "
@@ -98,6 +100,11 @@ key_results(
     f"and request ends alone stay within {ends_gap:.3f} of the best interval.",
     f"That is {hends / hkv:.2f} of the {hkv:.3f} an attention model gets from the same 40 GB, and "
     f"{hit['request ends', DEVICE_GB] / hit['attention', DEVICE_GB]:.2f} at a device's whole {DEVICE_GB} GB budget.",
+    f"That ranking belongs to chat's sharing structure: over generated traffic that spans it, request ends are enough "
+    f"in {sum(c['regime'] == 'ends' for c in cases)} of {len(cases)} cases; a shared prefix nobody ends at makes a "
+    f"branch-point state pay, reuse inside prompts a chunk-boundary state (vLLM align, SGLang), by up to "
+    f"{max(c['ends_gap'] for c in cases):.2f}. `--policy auto` reads "
+    f"the map and comes within {max(c['gap'] for c in held):.3f} of the best online policy on 16 held-out traces.",
 )
 
 # %% [markdown]
@@ -161,16 +168,17 @@ show_source(prefix.HybridPrefixCache.hits)
 # %% [markdown]
 # "Computed" matters once requests run side by side (chapter 10): a block or checkpoint
 # holds its data only once the prefill that inserted it has passed it. In this chapter's
-# replays every request finishes before the next begins. `begin` runs the four steps:
+# replays every request finishes before the next begins. When the pool is full, an
+# unpinned KV *leaf* can go (taking its checkpoint with it: a state without its prefix's
+# KV is useless) or a checkpoint alone (its KV stays). Whichever the policy ranks lower
+# goes first (`HybridPrefixCache.reclaim`).
+#
+# ### Deep dive: `begin`, the four steps in code
 
 # %%
 show_source(prefix.HybridPrefixCache.begin)
 
 # %% [markdown]
-# When the pool is full, an unpinned KV *leaf* can go (taking its checkpoint with it: a
-# state without its prefix's KV is useless) or a checkpoint alone (its KV stays).
-# Whichever the policy ranks lower goes first (`HybridPrefixCache.reclaim`).
-#
 # ## Where states go: checkpoint policies
 #
 # A *policy* says where to admit checkpoints and how to rank what to evict. Ours, from
@@ -196,6 +204,8 @@ show_source(prefix.HybridPrefixCache.begin)
 #   With $\alpha = 0$ it *is* `ends+branch` (a test holds them equal).
 # - **`kv-only`**, the reference: states are free and everywhere, so usable hit = KV hit
 #   at the same KV memory: the *attention bound*.
+#
+# ### Deep dive: the policies on a toy trace
 #
 # A toy trace with 4-token blocks: prompts A, B and C share two blocks, then diverge.
 # Under `dual`, B's KV hit is 8 tokens but no state exists there, so B recomputes from 0
@@ -418,27 +428,148 @@ print(f"wall clock, same run: block tree {twins[False].wall_seconds:.2f} s, runs
       f"({twins[False].wall_seconds / twins[True].wall_seconds:.1f}x)")
 
 # %% [markdown]
-# ## Verdict, and the designs that ship
+# ## Which policy for which traffic: a map
 #
-# Keep few states, where requests end, and spend the rest of the memory on KV: on real
-# chat traffic a fixed grid of checkpoints buys no hits that request ends do not, and
-# each state displaces 1,346 tokens of KV at TP4. The verdict is byte-driven, and it
-# holds at every memory size replayed, 10 to 160 GB per device. The deep dives test it
-# against everything else and find:
+# One trace is a case, not a law. `ends` resumes a reused prefix only where an earlier
+# prompt ended, so what decides is *where reuse ends*. Four measured numbers describe a
+# trace's **sharing structure** (`traffic.sharing_stats`; `traces stats` prints them):
+# **common**, the share of requests behind a common prefix (a first block that many
+# different second blocks follow: a system prompt); **mid**, the share of reused tokens
+# past the last earlier request end on their path, which only a state inside a prompt
+# reaches; **turns** per session; and **prompt** length. A cache's size enters as its
+# **reach**: its tokens over the new prefix tokens of a busy minute (90th percentile).
+
+# %%
+AGENT, RATE = f"../data/{wl.CLAUDE_CODE}", 0.05  # sessions start at 0.05/s (a deep dive below says why)
+agent = wl.agent_requests(wl.load_sessions(AGENT), RATE, seed=0)
+shared = {"conversation": wl.sharing_stats(real, BLOCK), "agent": wl.sharing_stats(agent, BLOCK)}
+show_table([(t, s["common"], s["mid"], s["turns"], s["prompt"],
+             *(policy_map.reach_minutes(gb * 1e9 / kv_per_token, s) for gb in (10, 40))) for t, s in shared.items()],
+           ["trace", "common", "mid", "turns", "prompt", "reach 10 GB", "reach 40 GB"],
+           formats={"common": ".2f", "mid": ".3f", "turns": ".1f", "prompt": ",.0f", "reach 10 GB": ".1f",
+                    "reach 40 GB": ".1f"}, title="Sharing structure of the two real traces (reach in minutes)")
+
+# %% [markdown]
+# Both real traces reuse almost only where an earlier request ended (mid 0.064 and
+# 0.003). To see past them we *generate* traffic (`traffic.sharing_traffic`) with a knob
+# for how many sessions open with a system prompt and how often a turn *forks* from
+# inside the previous prompt, in a *chat* and an *agent* shape calibrated to the two
+# traces, and replay every online cache and the clairvoyant one over a 5 x 5 grid of
+# knobs, two seeds each, at a reach of 1, 3 and 9 minutes (`sim.policy_map`). A marker's
+# colour is the best online policy; its shape, the *regime*: the kind of state needed to
+# come within a tie (0.01 of usable hit, or the seeds' spread if larger) of the best.
+
+# %%
+points = policy_map.shipped_map()
+cases = policy_map.cell_summary(points)  # per grid cell and reach, seeds averaged: winner, regime, gaps
+print(f"{len(points)} traces x {len(policy_map.REACHES)} reaches x {len(policy_map.ONLINE) + 1} caches = "
+      f"{len(points) * len(policy_map.REACHES) * (len(policy_map.ONLINE) + 1):,} replays")
+MARK = {"ends": "o", "branch": "s", "boundary": "^"}
+fig, axes = plt.subplots(2, 3, figsize=(12.5, 7.0), sharex=True, sharey=True)
+for ax, (shape, reach) in zip(axes.flat, [(s, r) for s in policy_map.SHAPES for r in policy_map.REACHES]):
+    for c in (c for c in cases if (c["shape"], c["reach"]) == (shape, reach)):
+        ax.scatter(c["mid"], c["common"], s=80, marker=MARK[c["regime"]], color=plots.color(c["best"]),
+                   edgecolor="black", linewidth=0.5)
+    star = shared["conversation" if shape == "chat" else "agent"]
+    ax.scatter(star["mid"], star["common"], marker="*", s=280, facecolor="none", edgecolor="black")
+    ax.set(title=f"{shape} shape, reach {reach:g} min", ylim=(-0.12, 1.12))
+fig.supxlabel("mid: share of reuse past the last request end (only a state inside a prompt reaches it)")
+fig.supylabel("common: share of requests behind a system prompt")
+handles = [plt.Line2D([], [], marker="o", ls="none", color=plots.color(n), label=plots.label(n))
+           for n in policy_map.ONLINE] + [plt.Line2D([], [], marker=m, ls="none", mfc="white", mec="black",
+                                                     label=f"regime: {k}") for k, m in MARK.items()]
+fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=8)
+fig.suptitle("Best online checkpoint policy over generated traffic (stars: the real traces)")
+plots.save(fig, "ch06-policy-map")
+plt.show()
+
+# %% [markdown]
+# Takeaway: three regimes, and the reach moves their borders. Where reuse ends at request
+# ends (left) `ends` is enough (circles), unless many prompts branch from a prefix no
+# request ends at (top): then a branch-point state pays (squares; `ends+branch`, `dual`).
+# Where reuse runs inside prompts (right), only states at chunk boundaries reach it
+# (triangles): vLLM `align` where memory is short, SGLang's `extra_buffer` at a reach of
+# 9 minutes. On agent traffic at a reach of 1 minute `dual` wins wherever forks are rare:
+# with that little memory, the long contexts that cost most to recompute are worth
+# keeping, which is what `dual` ranks by. `prefix TRACE --policy auto` reads this map for
+# any trace; the deep dive tests it on unseen traffic.
+
+# %% [markdown]
+# ### Deep dive: the map in numbers, and the rule `--policy auto`
 #
-# - the designs that ship sit at or below `ends+branch` (0.184 at 40 GB): Marconi ties it
-#   where its online tuning keeps alpha at 0, vLLM `align` keeps 0.158, SGLang 0.121;
-# - on 80 Claude Code agent sessions the order holds (`ends+branch` 0.937 at 40 GB),
-#   `dual`'s FLOP weight collapses (0.628), and a clairvoyant cache shows the room left:
-#   on chat the best online policy reaches 0.22 of it at 10 GB, 0.77 at a whole device;
-# - SGLang's fixed split leaves 18.9 GB to states that use 4.8 GB on average;
-# - int8 checkpoints (3.53x smaller) add up to 6.4% of prefill time saved, for a logit
-#   error of about 0.8% of the logits' spread on the tiny model;
-# - under DP-attention the ranking holds, but `ends` keeps 0.672 of the attention bound
-#   at 40 GB instead of 0.839;
-# - a host-DRAM tier loads a 16,384-token hit 34x faster than recomputing it (30x to
-#   47x across chapter 3's 36 plausible kernel sets);
-# - and the last one times the replays.
+# `policy_map.choose_policy` takes the four mapped traces nearest in all four numbers
+# (each scaled by its spread over the map), interpolates their gaps to the best online
+# policy between the two nearest reaches, and picks the smallest mean gap. We chose it by
+# leaving each grid cell out in turn; here it meets 16 generated traces the map never saw,
+# with every knob, the turns, the prompt length and the reach drawn at random, on new
+# seeds. Then the regimes per panel, and how much the two seeds disagree:
+
+# %%
+checks = stored("ch6_held_out", policy_map.held_out, n=16)
+worst = max(c["gap"] for c in checks)
+print(f"--policy auto on 16 held-out traces: the best online policy at {sum(c['gap'] == 0 for c in checks)},\n"
+      f"within 0.02 at {sum(c['gap'] <= 0.02 for c in checks)}; largest gap {worst:.3f}")
+assert worst <= 0.02
+# %%
+spread = {shape: max(c["spread"] for c in cases if c["shape"] == shape) for shape in policy_map.SHAPES}
+print("ends' gap to the best online policy differs between the two seeds by at most\n"
+      + ", ".join(f"{v:.3f} ({s})" for s, v in spread.items()))
+show_table([(shape, reach, *(sum(c["regime"] == r for c in cases if (c["shape"], c["reach"]) == (shape, reach))
+                             for r in MARK)) for shape in policy_map.SHAPES for reach in policy_map.REACHES],
+           ["shape", "reach", "ends enough", "branch pays", "boundary pays"], formats={"reach": "g"},
+           title="Grid cells (of 25) by the states they need to come within a tie of the best")
+show_table([(c["shape"], c["stats"]["common"], c["stats"]["mid"], c["reach"], c["chosen"], c["best"], c["gap"])
+            for c in checks], ["shape", "common", "mid", "reach", "auto picks", "best online", "gap"],
+           formats={"common": ".2f", "mid": ".2f", "reach": ".1f", "gap": ".3f"},
+           title="The rule on held-out generated traffic (gap: best online minus the pick, usable hit)")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12.0, 4.3))
+for shape, marker in zip(policy_map.SHAPES, ("o", "^")):
+    for reach, color in zip(policy_map.REACHES, plt.cm.viridis(np.linspace(0, 0.85, 3))):
+        mine = [c for c in cases if (c["shape"], c["reach"]) == (shape, reach)]
+        style = dict(marker=marker, color=color, s=25)
+        axes[0].scatter([c["mid"] for c in mine], [c["ends_gap"] for c in mine], label=f"{shape}, reach {reach:g} min",
+                        **style)
+        axes[1].scatter([c["mid"] for c in mine], [c["of_clairvoyant"] for c in mine], **style)
+    mine = [c for c in cases if c["shape"] == shape]
+    print(f"{shape}: ends loses at most {max(c['ends_gap'] for c in mine):.3f}; best online / clairvoyant\n  "
+          + ", ".join(f"{min(v):.2f}-{max(v):.2f} at reach {r:g}" for r in policy_map.REACHES
+                      for v in [[c["of_clairvoyant"] for c in mine if c["reach"] == r]]))
+axes[0].axhline(policy_map.TIE, color="black", linestyle=":", linewidth=1)
+axes[0].set(xlabel="mid", ylabel="best online - ends (usable hit)", title="What ends leaves on the table")
+axes[1].axhline(1.0, color="black", linestyle=":", linewidth=1)
+axes[1].set(xlabel="mid", ylabel="best online / clairvoyant", title="What knowing the future is worth")
+axes[0].legend(fontsize=8, ncol=2)
+plots.save(fig, "ch06-policy-gaps")
+plt.show()
+
+# %% [markdown]
+# Takeaway: what `ends` leaves behind grows with mid, to 0.13 on chat and 0.25 on agent
+# traffic when most turns fork; near mid 0 it is at most the branch state of a shared
+# prefix. The clairvoyant cache stands far above every online policy only where memory
+# is short (reach 1 minute); at 9 minutes the best online policy has nearly all of it, and
+# on forking agent traffic SGLang's split pools pass it: the clairvoyant cache is a strong
+# reference, not a bound (`prefix.oracle` says why).
+
+# %% [markdown]
+# ## Verdict, as regimes
+#
+# Which states to keep is a property of the traffic:
+#
+# - **Reuse ends where earlier prompts ended**: keep states at request ends only, spend
+#   the rest on KV. Both real traces live here: on them `ends` stays within 0.006 of the
+#   best online policy.
+# - **Many prompts branch from a prefix no request ends at**: a branch-point state pays
+#   (`ends+branch`, `dual`). The Kimi trace sits at such a point of the map, yet on the
+#   trace `ends` loses only 0.002 at 40 GB: some of its requests end right at the system
+#   prompt, so `ends` keeps that state too, a feature the four numbers do not see.
+# - **Reuse inside prompts**: only chunk-boundary states reach it (vLLM `align`, SGLang
+#   `extra_buffer`), by up to 0.13 over `ends` on chat traffic.
+#
+# The verdicts are byte-driven (bytes and the trace, not kernel times). The deep dives
+# test both real traces against the designs that ship, a clairvoyant cache, int8
+# checkpoints, DP-attention and a host-memory tier.
 #
 # ### Deep dive: the designs that ship, as their engines store states
 #
@@ -545,8 +676,6 @@ show_table(rows, ["deployment", "block", "state blocks", "state = KV of", "align
 # project could read has no such file, so the agent numbers rest on the Claude Code sessions.
 
 # %%
-AGENT, RATE = f"../data/{wl.CLAUDE_CODE}", 0.05
-agent = wl.agent_requests(wl.load_sessions(AGENT), RATE, seed=0)
 TRACES = {"conversation": REAL, "agent": AGENT}
 rows = []
 for name, records in (("conversation", real), ("agent", agent)):
@@ -647,10 +776,23 @@ show_table([(t, gb, prec, runs[t, "marconi", prec, gb].policy_detail) for t in T
             for prec in ("native", "int8")], ["trace", "GB", "ckpt", "Marconi's tuned weight"],
            formats={"GB": "g"})
 
+# %%
+rows = []  # what --policy auto picks on the real traces, against their best online policy
+for t in TRACES:
+    for gb in TABLE_GB:
+        pick = policy_map.choose_policy(shared[t], gb * 1e9 / kv_per_token, points)[0]
+        hits = {n: runs[t, n, "native", gb].usable_hit_rate for n in ONLINE}
+        best = max(hits, key=hits.get)
+        rows.append((t, gb, pick, hits[pick], best, hits[best], hits[best] - hits[pick]))
+show_table(rows, ["trace", "GB", "auto picks", "hit", "best online", "best hit", "gap"],
+           formats={"GB": "g", "hit": ".3f", "best hit": ".3f", "gap": ".3f"},
+           title="The map's rule on the two real traces (fp32 checkpoints)")
+
 # %% [markdown]
 # What the tables say, per device of the TP4 recipe:
 #
-# - **The simplest policies win.** On both traces and at every budget the best online
+# - **On these two traces the simplest policies win** (they sit where reuse ends at request
+#   ends; the map shows where that stops). On both and at every budget the best online
 #   policy is `ends+branch` or, on the conversation trace at 10 GB only, `dual` (0.058
 #   against 0.055); `ends` is never more than 0.006 behind the best. Branch points add
 #   little: 0.184 against 0.182 at 40 GB on chat, 0.937 against 0.936 on agents.
@@ -960,11 +1102,11 @@ show_table([(n, *(runs[t, n, "native", DEVICE_GB].wall_seconds for t in TRACES))
 #   inserts and admits what the policy asks for, eviction weighs a KV leaf against a
 #   checkpoint alone. Resuming is exact (< 1e-10 on the tiny model).
 # - **Found.** A checkpoint costs 2.63 KV pages of 512 tokens per TP4 device (10.52 under
-#   DP-attention). On an hour of Kimi chat, sparser checkpoints win at every size from 10
-#   to 160 GB: every 512 tokens leaves 0.061 at 40 GB, request ends 0.182, which is 0.84
-#   of the 0.217 an attention model gets. The deep dives find `ends+branch` the best
-#   online policy almost everywhere, the shipped designs at or below it, and the
-#   clairvoyant cache far above all of them only on chat with little memory.
+#   DP-attention). On an hour of Kimi chat, request ends alone beat every denser grid at
+#   every size from 10 to 160 GB (0.182 at 40 GB, 0.84 of the attention bound). That is a
+#   regime, not a law: on generated traffic, a prefix many prompts branch from makes
+#   branch-point states pay, and reuse inside prompts chunk-boundary states (up to 0.13
+#   on chat). `prefix --policy auto` picks from that map.
 # - **Scope.** Requests replayed one at a time, whole 512-token blocks, prefill time from
 #   the cost model (chapter 3), an untrained reduced model for exactness and quality.
 #
