@@ -25,11 +25,14 @@ import shutil
 import zipfile
 from pathlib import Path
 
-__all__ = ["STUDENT", "ZIP", "TEACHER_ONLY", "build_bundle", "bundle_files"]
+__all__ = ["STUDENT", "ZIP", "TEACHER_ONLY", "BUNDLED_RESULTS", "build_bundle", "bundle_files"]
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDENT = ROOT / "student"
 ZIP = ROOT / "student.zip"
+# Stored results the bundle keeps: chapter 6's map of generated traffic and its held-out check hold
+# no exercise's answer, and a student's machine would take about 16 minutes to compute them.
+BUNDLED_RESULTS = ("ch6_policy_map", "ch6_held_out")
 PACKAGE = ROOT / "kimilab"
 # Paths under kimilab/ that stay with the teacher: the answers, and the tools that build the editions.
 TEACHER_ONLY = (re.compile(r"^exercises/ch\d\d\.py$"), re.compile(r"^(classroom|site|templates)(/|\.py$)"),
@@ -155,8 +158,12 @@ def build_bundle(folder: Path = STUDENT, zip_path: Path | None = ZIP) -> dict:
     for extra in ("references.md",):
         if (CHAPTERS / extra).exists():
             shutil.copyfile(CHAPTERS / extra, folder / "chapters" / extra)
-    # not data/results: the stored results hold the numbers exercises ask for (a student's chapter computes them)
+    # not data/results: the stored results hold the numbers exercises ask for (a student's chapter computes
+    # them), except those that hold no answer and take a student's machine long to compute (BUNDLED_RESULTS)
     shutil.copytree(ROOT / "data", folder / "data", ignore=shutil.ignore_patterns("__pycache__", ".*", "results"))
+    (folder / "data" / "results").mkdir()
+    for name in BUNDLED_RESULTS:
+        shutil.copyfile(ROOT / "data" / "results" / f"{name}.json", folder / "data" / "results" / f"{name}.json")
     _copy_package(folder / "kimilab")
     sealed_count = _seal_all(folder / "kimilab" / "exercises" / "key.json")
     (folder / "README.md").write_text(_README.format(chapters=len(chapters), exercises=stubs), encoding="utf-8")
