@@ -30,23 +30,29 @@ def _takers(option: str) -> list[str]:
     return [name for name in CACHES if option in cache_options(name)]
 
 
-def _auto(args, parser, load_records) -> tuple[str, dict]:
-    """``--policy auto``: the trace's sharing statistics, and the policy chapter 6's map picks for them."""
-    from kimilab.sim.policy_map import choose_policy, shipped_map
-    from kimilab.sim.sweep import SESSIONS_PER_S
-    from kimilab.traffic.sharing import sharing_stats
+def _records(args, parser, block: int) -> list:
+    """The trace keyed per ``block`` tokens; a bad or empty trace is ``parser.error``."""
+    from kimilab.sim.sweep import SESSIONS_PER_S, load_records
 
     try:
-        records = load_records(args.trace, args.block_size, trace_block=args.block_size,
+        records = load_records(args.trace, block, trace_block=args.block_size,
                                sessions_per_s=SESSIONS_PER_S if args.sessions_per_s is None else args.sessions_per_s,
                                seed=0 if args.seed is None else args.seed)
-    except ValueError as err:
+    except ValueError as err:  # names the trace
         parser.error(str(err))
     except OSError as err:
         parser.error(f"{args.trace}: {err}")
     if not records:
         parser.error(no_requests(args.trace))
-    stats = sharing_stats(records, args.block_size)
+    return records
+
+
+def _auto(args, parser) -> tuple[str, dict]:
+    """``--policy auto``: the trace's sharing statistics, and the policy chapter 6's map picks for them."""
+    from kimilab.sim.policy_map import choose_policy, shipped_map
+    from kimilab.traffic.sharing import sharing_stats
+
+    stats = sharing_stats(_records(args, parser, args.block_size), args.block_size)
     capacity = math.inf if args.capacity_tokens is None else args.capacity_tokens
     policy, why = choose_policy(stats, capacity, shipped_map())
     print(f"auto: {policy}: {why}", file=sys.stderr)
@@ -61,7 +67,7 @@ def run(args, parser) -> int:
     from kimilab.prefix import HybridPrefixCache, make_policy
     from kimilab.prefix.policies import POLICIES
     from kimilab.sim.loop import simulate
-    from kimilab.sim.sweep import SESSIONS_PER_S, build_cache, cache_block, is_sessions, load_records
+    from kimilab.sim.sweep import build_cache, cache_block, is_sessions
 
     name, sessions = args.policy, is_sessions(args.trace)
     if name == "auto" and args.partial_blocks:
@@ -82,22 +88,13 @@ def run(args, parser) -> int:
     config, dep = preset(args.model), deployment(args.deployment)
     reason = None
     if name == "auto":
-        name, reason = _auto(args, parser, load_records)
+        name, reason = _auto(args, parser)
     block = cache_block(name, config, dep, args.block_size)
     if args.capacity_tokens is not None and args.capacity_tokens < block:
         which = f"vLLM's {block}-token block on {dep.name}" if name == "vllm-align" else f"--block-size={block}"
         parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one block ({which})")
     options = {k: v for k, v in (("interval", args.interval), ("alpha", args.alpha)) if v is not None}
-    try:
-        records = load_records(args.trace, block, trace_block=args.block_size,
-                               sessions_per_s=SESSIONS_PER_S if args.sessions_per_s is None else args.sessions_per_s,
-                               seed=0 if args.seed is None else args.seed)
-    except ValueError as err:  # names the trace
-        parser.error(str(err))
-    except OSError as err:
-        parser.error(f"{args.trace}: {err}")
-    if not records:
-        parser.error(no_requests(args.trace))
+    records = _records(args, parser, block)
     tokens = any(r.tokens is not None for r in records)
     if tokens and name not in POLICIES:
         parser.error(f"{args.trace}: its requests carry tokens, which only the block tree caches; expected one of "
