@@ -33,7 +33,7 @@ html: $(STAMP)
 	$(BIN)/python -m kimilab html
 
 # The student bundle: student/ and student.zip (notebooks without solutions or outputs, the package
-# without the answer checkers, sealed answer hashes, the data, a Makefile). No answers in it.
+# without the answer checkers, public sanity checks, the data, a Makefile). No answers in it.
 student: $(STAMP)
 	$(BIN)/python -m kimilab student
 

@@ -170,6 +170,7 @@ def _parser() -> _Parser:
     g.add_argument("submissions", nargs="+", metavar="SUBMISSION", help="student notebooks, or folders of them")
     g.add_argument("--out", default="grades.csv", help="the CSV to write")
     g.add_argument("--timeout", type=positive_int_arg, default=600, help="seconds a cell may run")
+    g.add_argument("--limit", type=positive_int_arg, default=1800, help="seconds a whole notebook may run")
     g.add_argument("--jobs", type=positive_int_arg, default=1, help="notebooks graded at once, each in its own kernel")
     g.set_defaults(func=_classroom, parser=g)
 
@@ -379,7 +380,7 @@ def _html(args, parser) -> int:
 def _classroom(args, parser) -> int:
     from kimilab import classroom
 
-    return classroom.grade_main(args.submissions, args.out, args.timeout, args.jobs) if args.command == "grade" \
+    return classroom.grade_main(args.submissions, args.out, args.timeout, args.jobs, args.limit) if args.command == "grade" \
         else classroom.main()
 
 

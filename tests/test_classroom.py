@@ -8,7 +8,7 @@ one stub per exercise; ``verify`` names unit slips and where an array differs mo
 its hints come concept first; the grader, run on chapter 1 answered by pasting the
 teacher's solutions (one made wrong, one left as the stub), writes a CSV that says so.
 Slow check (``make classroom``, run by ``.ci/run``): every notebook of a freshly built
-student bundle, executed against the bundle's own ``kimilab`` (sealed answers), runs up
+student bundle, executed against the bundle's own ``kimilab`` (public checks, no answers), runs up
 to its first exercise and stops exactly there with ``NotImplementedError("exercise N.M")``.
 """
 
@@ -125,12 +125,21 @@ def _answered(tmp_path: Path) -> Path:
     return target
 
 
-def test_the_grader_writes_one_row_per_exercise(tmp_path):
+@pytest.fixture(scope="module")
+def edition():
+    from kimilab.classroom.isolation import Edition
+
+    ed = Edition.build()
+    yield ed
+    ed.close()
+
+
+def test_the_grader_writes_one_row_per_exercise(tmp_path, edition):
     from kimilab.classroom.grade import FIELDS, grade
 
     notebook = _answered(tmp_path)
     out = tmp_path / "grades.csv"
-    grade([tmp_path / "alice"], out, echo=lambda line: None)
+    grade([tmp_path / "alice"], out, echo=lambda line: None, edition=edition)
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == FIELDS
@@ -140,7 +149,7 @@ def test_the_grader_writes_one_row_per_exercise(tmp_path):
     assert all(r["notebook"] == str(notebook) and r["chapter"] == "1" for r in rows)
 
 
-def test_parallel_grading_writes_a_gradebook_and_a_canvas_import(tmp_path):
+def test_parallel_grading_writes_a_gradebook_and_a_canvas_import(tmp_path, edition):
     import shutil
 
     from kimilab.classroom.grade import grade, student_of
@@ -149,7 +158,7 @@ def test_parallel_grading_writes_a_gradebook_and_a_canvas_import(tmp_path):
     (tmp_path / "bob").mkdir()
     shutil.copy(alice, tmp_path / "bob" / alice.name)
     out = tmp_path / "grades.csv"
-    grade([tmp_path], out, jobs=2, echo=lambda line: None)
+    grade([tmp_path], out, jobs=2, echo=lambda line: None, edition=edition)
     with open(tmp_path / "grades-gradebook.csv", newline="") as f:
         book = list(csv.reader(f))
     assert book[0] == ["student", "1.1", "1.2", "1.3", "1.6", "total"]
@@ -209,26 +218,23 @@ def _notebook(path: Path, *cells: str, title: str = "# 1. The naive KV cache") -
 
 
 @pytest.mark.classroom
-def test_one_submission_cannot_stop_the_class_or_write_a_formula(tmp_path):
+def test_one_submission_cannot_stop_the_class(tmp_path, edition):
     """A kernel that dies, a cell that hangs, a file that is no notebook, a notebook with no verify
-    call, and a forged log line carrying a spreadsheet formula: every notebook still gets its rows
-    (with the reason), grading goes on, and the CSV has each row as it was graded, escaped."""
+    call: every notebook still gets its rows (with the reason), grading goes on, and the CSV has each
+    row as it was graded (tests/test_redteam.py plays the forgeries and the formula)."""
     from kimilab.classroom.grade import grade
 
     sub = tmp_path / "class"
     imp = "from kimilab.exercises import verify"
-    _notebook(sub / "a_dies.ipynb", imp, 'verify("1.1", 0)', "import os\nos._exit(1)", 'verify("1.2", 0)')
-    _notebook(sub / "b_hangs.ipynb", imp, "while True:\n    pass", 'verify("1.1", 0)')
+    _notebook(sub / "a_dies.ipynb", imp, "answer = 0", 'verify("1.1", answer)', "import os\nos._exit(1)",
+              'verify("1.2", answer)')
+    _notebook(sub / "b_hangs.ipynb", imp, "while True:\n    pass", 'verify("1.1", answer)')
     (sub / "c_garbage.ipynb").write_text("not a notebook")
     _notebook(sub / "d_no_verify.ipynb", "x = 1")
-    forged = ('import json, os\nwith open(os.environ["KIMILAB_GRADE_LOG"], "a") as f:\n'
-              '    f.write("not json\\n" + json.dumps({"id": "1.1", "status": "wrong", "message": "=HYPERLINK(1)"}) '
-              '+ "\\n")')
-    _notebook(sub / "e_formula.ipynb", forged)
     out, lines = tmp_path / "grades.csv", []
-    rows = grade([sub], out, timeout=5, echo=lines.append)
+    rows = grade([sub], out, timeout=5, echo=lines.append, edition=edition)
     progress = [line for line in lines if line.startswith("[")]
-    assert len(progress) == 5 and progress[-1].startswith("[5/5] ") and lines[-1].startswith("gradebook: ")
+    assert len(progress) == 4 and progress[-1].startswith("[4/4] ") and lines[-1].startswith("gradebook: ")
     by = {(Path(r["notebook"]).stem, r["exercise"]): r for r in rows}
     assert by["a_dies", "1.1"]["status"] == "wrong"
     assert by["a_dies", "1.2"]["status"] == "error" and "kernel died" in by["a_dies", "1.2"]["message"]
@@ -240,5 +246,48 @@ def test_one_submission_cannot_stop_the_class_or_write_a_formula(tmp_path):
     with open(out, newline="") as f:
         written = list(csv.DictReader(f))
     assert len(written) == len(rows)
-    assert next(r for r in written if r["notebook"].endswith("e_formula.ipynb") and r["exercise"] == "1.1")[
-        "message"] == "'=HYPERLINK(1)"
+
+
+def test_answers_travel_as_data_and_malformed_records_are_not_trusted(tmp_path):
+    from kimilab.exercises import answers
+
+    values = [None, True, "text", 7, 2.5, np.int64(3), np.float32(0.5), np.arange(6.0).reshape(2, 3), [1, 2]]
+    for v in values:
+        got = answers.decode(json_roundtrip(answers.encode(v)))
+        assert (got is None and v is None) or np.array_equal(np.asarray(got), np.asarray(v)), (v, got)
+        assert type(got) in (type(None), bool, str, int, float, np.ndarray)
+    assert repr(answers.decode(answers.encode(object()))).startswith("a object")
+    path = tmp_path / "answers.jsonl"
+    path.write_text('not json\n{"id": 5, "answer": {"type": "int", "value": 1}}\n'
+                    '{"id": "1.1", "answer": {"type": "int", "value": "7"}}\n'
+                    '{"id": "1.1", "answer": {"type": "array", "shape": [2], "value": [1]}}\n'
+                    '{"id": "1.2", "answer": {"type": "float", "value": 2}}\n' + "[" * 10**5 + "\n")
+    got, bad = answers.read_answers(path)
+    assert got == {"1.2": [2.0]} and bad == 5
+
+
+def json_roundtrip(x):
+    import json
+
+    return json.loads(json.dumps(x))
+
+
+def test_the_sandbox_denies_what_it_does_not_grant(tmp_path):
+    from kimilab.classroom import sandbox
+    from kimilab.classroom.isolation import _read_roots
+
+    if not sandbox.abi():
+        pytest.skip("no Landlock on this system: the grader falls back to restoring changed files")
+    secret, own = tmp_path / "secret.txt", tmp_path / "own"
+    secret.write_text("the key")
+    own.mkdir()
+    code = (f"import os\nopen({str(own / 'x')!r}, 'w').write('ok')\n"
+            "for mode in ('r', 'a'):\n"
+            "    try:\n"
+            f"        open({str(secret)!r}, mode); print('open', mode)\n"
+            "    except PermissionError:\n"
+            "        print('denied', mode)\n")
+    argv = sandbox.launcher(_read_roots(own), [str(own)], [sys.executable, "-c", code])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["denied r", "denied a"] and (own / "x").read_text() == "ok"

@@ -2,7 +2,7 @@
 
 * :mod:`~kimilab.classroom.student`: one chapter without solutions or outputs;
 * :mod:`~kimilab.classroom.bundle`: ``make student`` -> ``student/`` and ``student.zip``,
-  which run the chapters and check answers without holding them;
+  which run the chapters and sanity-check answers without holding them;
 * :mod:`~kimilab.classroom.grade`: ``make grade DIR=...`` -> a CSV of every exercise's
   result per answered notebook.
 """
@@ -27,12 +27,12 @@ def main() -> int:
 
     n = build_bundle()
     print(f"student bundle: {STUDENT.relative_to(ROOT)}/ and {ZIP.relative_to(ROOT)} ({n['zip_bytes'] / 1e6:.1f} MB): "
-          f"{n['chapters']} chapters, {n['exercises']} exercises stubbed and {n['sealed']} sealed, "
+          f"{n['chapters']} chapters, {n['exercises']} exercises stubbed with public checks ({n['checked']}), "
           f"{n['files']} files; no solutions, no outputs, no checker modules")
     return 0
 
 
-def grade_main(paths: list[str], out: str, timeout: int, jobs: int = 1) -> int:
+def grade_main(paths: list[str], out: str, timeout: int, jobs: int = 1, limit: int = 1800) -> int:
     """``make grade``: execute the notebooks, write the CSV, print one line per notebook."""
     from kimilab.classroom.grade import grade
 
@@ -44,7 +44,7 @@ def grade_main(paths: list[str], out: str, timeout: int, jobs: int = 1) -> int:
         print(f"python -m kimilab grade: error: {err}", file=sys.stderr)
         return 2
     try:
-        rows = grade(paths, Path(out), timeout=timeout, jobs=jobs)
+        rows = grade(paths, Path(out), timeout=timeout, jobs=jobs, limit=limit)
     except ValueError as err:
         print(f"python -m kimilab grade: error: argument SUBMISSION: {err}", file=sys.stderr)
         return 2

@@ -7,14 +7,15 @@
   solution cells replaced by stubs, outputs cleared) and ``references.md``;
 * ``kimilab/``: the package the chapters import, without the modules that compute
   the answers (``kimilab/exercises/chNN.py``) and without the teacher's tools (the book
-  builder, the web edition, this classroom package); ``kimilab/exercises/key.json``
-  checks answers by salted hash instead (:mod:`kimilab.exercises.sealed`);
+  builder, the web edition, this classroom package); ``kimilab/exercises/public.json``
+  holds public sanity checks instead (:mod:`kimilab.exercises.public`): no answer and
+  no digest of one;
 * ``data/``: the traces the chapters read;
 * ``README.md``, ``pyproject.toml`` and a ``Makefile``: ``make lab`` installs the
   package into ``.venv`` and opens the chapters.
 
-Nothing here executes a chapter: a build takes seconds (computing the 37 expected
-values and hashing them is most of it).
+Nothing here executes a chapter: a build takes seconds (computing the expected
+values, to place each public range around its answer, is most of it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ BUNDLED_RESULTS = ("ch6_policy_map", "ch6_held_out")
 PACKAGE = ROOT / "kimilab"
 # Paths under kimilab/ that stay with the teacher: the answers, and the tools that build the editions.
 TEACHER_ONLY = (re.compile(r"^exercises/ch\d\d\.py$"), re.compile(r"^(classroom|site|templates)(/|\.py$)"),
-                re.compile(r"^book\.py$"), re.compile(r"(^|/)__pycache__/"), re.compile(r"^exercises/key\.json$"))
+                re.compile(r"^book\.py$"), re.compile(r"(^|/)__pycache__/"), re.compile(r"^exercises/(key|public)\.json$"))
 _NOTEBOOK_DEPS = ("ipykernel", "jupyterlab")
 
 _README = """\
@@ -46,9 +47,12 @@ The chapters of *kimilab*, a book that builds the serving machinery of a hybrid
 linear-attention model (Kimi Linear) on a plain CPU. Each chapter is a notebook in
 `chapters/`; run it top to bottom. It stops at its first exercise with
 `NotImplementedError("exercise N.M")`: replace that cell with your code, which sets
-`answer`, and run the `verify("N.M", answer)` cell below it. It says "correct", or
-in one sentence what is off, with a hint (the concept first; a narrower hint if you
-try again). Exercises marked *(open)* have no checker: discuss them.
+`answer`, and run the `verify("N.M", answer)` cell below it. It runs public sanity
+checks (the kind of answer, its sign, a range of sizes) and says what is off, with a
+hint (the concept first; a narrower hint if you try again). Whether an answer that
+passes them is right, your teacher's grader decides: this edition does not hold the
+answers. Keep each `verify` cell as it is; the grader reads your answer through it.
+Exercises marked *(open)* have no checker: discuss them.
 
 ## Setting up (Python >= 3.10)
 
@@ -64,8 +68,8 @@ traces (see `data/README.md`; one is Moonshot's real Mooncake trace, Apache-2.0)
 
 - `chapters/`: the {chapters} chapters, without solutions and without outputs
   ({exercises} checked exercises), and `references.md`.
-- `kimilab/`: the package the chapters import. It checks your answers from salted
-  hashes (`kimilab/exercises/key.json`); it does not contain them.
+- `kimilab/`: the package the chapters import. Its checks are public
+  (`kimilab/exercises/public.json`); it does not contain the answers.
 - `data/`: the request traces.
 """
 
@@ -105,7 +109,7 @@ def _pyproject() -> str:
             'description = "kimilab, the student edition: the chapters without solutions"\n'
             f'requires-python = ">=3.10"\ndependencies = [\n{deps}]\n\n'
             '[tool.setuptools.packages.find]\ninclude = ["kimilab*"]\n\n'
-            '[tool.setuptools.package-data]\nkimilab = ["exercises/key.json"]\n')
+            '[tool.setuptools.package-data]\nkimilab = ["exercises/public.json"]\n')
 
 
 def _copy_package(target: Path) -> None:
@@ -118,12 +122,13 @@ def _copy_package(target: Path) -> None:
         shutil.copyfile(path, dest)
 
 
-def _seal_all(target: Path) -> int:
-    from kimilab.exercises import all_exercises, sealed
+def _describe_all(target: Path, expected: dict | None = None) -> int:
+    """Write the public checks; ``expected`` ({id: value}) saves computing the values again."""
+    from kimilab.exercises import all_exercises, public
 
-    records = [sealed.seal(ex.id, ex.title, ex.hints, ex.expected(), rtol=ex.rtol, atol=ex.atol)
+    records = [public.describe(ex.id, ex.title, ex.hints, ex.expected() if expected is None else expected[ex.id])
                for ex in all_exercises().values()]
-    sealed.write_key(target, records)
+    public.write_public(target, records)
     return len(records)
 
 
@@ -141,8 +146,9 @@ def _zip(folder: Path, zip_path: Path) -> None:
             z.writestr(info, path.read_bytes())
 
 
-def build_bundle(folder: Path = STUDENT, zip_path: Path | None = ZIP) -> dict:
-    """Write the bundle into ``folder`` (replacing it) and ``zip_path``; returns counts for the report line."""
+def build_bundle(folder: Path = STUDENT, zip_path: Path | None = ZIP, *, expected: dict | None = None) -> dict:
+    """Write the bundle into ``folder`` (replacing it) and ``zip_path``; returns counts for the report line.
+    ``expected`` ({id: value}, the grader's) saves computing the answers a second time."""
     import nbformat
 
     from kimilab.classroom.student import CHAPTERS, chapter_notebooks, exercise_ids, student_notebook
@@ -165,12 +171,12 @@ def build_bundle(folder: Path = STUDENT, zip_path: Path | None = ZIP) -> dict:
     for name in BUNDLED_RESULTS:
         shutil.copyfile(ROOT / "data" / "results" / f"{name}.json", folder / "data" / "results" / f"{name}.json")
     _copy_package(folder / "kimilab")
-    sealed_count = _seal_all(folder / "kimilab" / "exercises" / "key.json")
+    checked = _describe_all(folder / "kimilab" / "exercises" / "public.json", expected)
     (folder / "README.md").write_text(_README.format(chapters=len(chapters), exercises=stubs), encoding="utf-8")
     (folder / "pyproject.toml").write_text(_pyproject(), encoding="utf-8")
     (folder / "Makefile").write_text(_MAKEFILE, encoding="utf-8")
     if zip_path is not None:
         _zip(folder, zip_path)
-    return {"chapters": len(chapters), "exercises": stubs, "sealed": sealed_count,
+    return {"chapters": len(chapters), "exercises": stubs, "checked": checked,
             "files": len(bundle_files(folder)), "bytes": sum(p.stat().st_size for p in bundle_files(folder)),
             "zip_bytes": zip_path.stat().st_size if zip_path is not None else 0}

@@ -73,9 +73,12 @@ class StubSolutions(Preprocessor):
             if i in stubs:
                 names = re.findall(r"^([A-Za-z_]\w*)\s*=", cell.source, re.M)
                 wanted = "answer" if "answer" in names or not names else names[-1]
-                cells.append(nbformat.v4.new_code_cell(
+                stub = nbformat.v4.new_code_cell(
                     f"# Exercise {stubs[i]}: your code here; it should set `{wanted}`.\n"
-                    f'raise NotImplementedError("exercise {stubs[i]}")'))
+                    f'raise NotImplementedError("exercise {stubs[i]}")')
+                if (nb.nbformat, nb.nbformat_minor) < (4, 5):  # cell ids came with nbformat 4.5
+                    del stub["id"]
+                cells.append(stub)
             cells.append(cell)
         nb.cells = cells
         return nb, resources

@@ -8,35 +8,33 @@ off, and gives a hint: the concept on the first wrong try, a narrower one after.
 Where the answers come from:
 
 * in the teacher's repository, ``kimilab/exercises/chNN.py`` registers one function per
-  exercise that computes the expected value with kimilab (:func:`exercise`);
-* in the student bundle (``make student``) those modules are absent and ``key.json``
-  holds salted hashes instead (:mod:`kimilab.exercises.sealed`), so the bundle can
-  check an answer but holds no expected value to read or call.
+  exercise that computes the expected value with kimilab (:func:`exercise`), and
+  ``verify`` says "correct" or what is off;
+* in the student bundle (``make student``) those modules are absent, and ``verify``
+  runs only public sanity checks (:mod:`kimilab.exercises.public`): the kind of answer,
+  its sign and a range of sizes. The bundle holds no answer and no digest of one.
 
-When ``KIMILAB_GRADE_LOG`` names a file, every verdict is appended to it as one JSON
-line: that is how ``python -m kimilab grade`` collects results.
+When ``KIMILAB_ANSWERS`` names a file, ``verify`` first appends the answer to it as data
+(:mod:`kimilab.exercises.answers`): that is all ``python -m kimilab grade`` takes from
+a student's kernel. It grades in its own process.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import pkgutil
 import re
 from dataclasses import dataclass
 from typing import Callable
 
-from kimilab.exercises import sealed
+from kimilab.exercises import answers, public
 from kimilab.exercises.core import ExerciseResult, check
 
-__all__ = ["check", "ExerciseResult", "Exercise", "exercise", "verify", "all_exercises", "CHAPTERS",
-           "GRADE_LOG_ENV"]
+__all__ = ["check", "ExerciseResult", "Exercise", "exercise", "verify", "all_exercises", "CHAPTERS"]
 
 # chapters whose checkers live here: one module kimilab/exercises/chNN.py each (none in the student bundle)
 CHAPTERS = tuple(sorted(int(m.name[2:]) for m in pkgutil.iter_modules(__path__) if re.fullmatch(r"ch\d\d", m.name)))
 EXERCISES: dict[str, "Exercise"] = {}
-GRADE_LOG_ENV = "KIMILAB_GRADE_LOG"
 _ID = re.compile(r"^(\d{1,2})\.(\d{1,2})$")
 _ATTEMPTS: dict[str, int] = {}
 
@@ -76,13 +74,6 @@ def _load(chapter: int) -> None:
     importlib.import_module(f"kimilab.exercises.ch{chapter:02d}")
 
 
-def _log(id: str, result: ExerciseResult) -> None:
-    path = os.environ.get(GRADE_LOG_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"id": id, "status": result.status, "message": result.message}) + "\n")
-
-
 def verify(id: str, answer, *, verbose: bool = True) -> ExerciseResult:
     """Check ``answer`` for exercise ``id`` ("N.M"); prints and returns the verdict, never raises for a wrong one."""
     m = _ID.match(str(id))
@@ -90,20 +81,20 @@ def verify(id: str, answer, *, verbose: bool = True) -> ExerciseResult:
         raise ValueError(f"id={id!r}: expected 'chapter.number', e.g. '6.2'")
     if int(m.group(1)) in CHAPTERS:
         _load(int(m.group(1)))
+    answers.record(id, answer)  # grading: the answer as data, before any check can fail
     attempt = _ATTEMPTS.get(id, 0) + 1
     if id in EXERCISES:
         ex = EXERCISES[id]
         result = check(answer, ex.expected(), name=f"{id} {ex.title}", hint=ex.hints, rtol=ex.rtol, atol=ex.atol,
                        verbose=verbose, attempt=attempt)
     else:
-        key = sealed.load_key()
-        if id not in key:
-            known = sorted(set(EXERCISES) | set(key), key=lambda k: tuple(map(int, k.split("."))))
+        records = public.load_public()
+        if id not in records:
+            known = sorted(set(EXERCISES) | set(records), key=lambda k: tuple(map(int, k.split("."))))
             raise ValueError(f"id={id!r}: no such checked exercise; known: {known}")
-        result = sealed.check_sealed(answer, key[id], verbose=verbose, attempt=attempt)
+        result = public.check_public(answer, records[id], verbose=verbose, attempt=attempt)
     if result.status == "wrong":
         _ATTEMPTS[id] = attempt
-    _log(id, result)
     return result
 
 

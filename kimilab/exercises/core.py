@@ -1,11 +1,11 @@
 """The exercise check itself: compare a reader's answer with the expected value, and say what is off.
 
-Two checks share this module's wording. :func:`check` has the expected value (the
-teacher's repository computes it with kimilab) and can say by what factor an answer is
-off and where an array differs most. :mod:`kimilab.exercises.sealed` has only salted
-hashes (the student bundle) and says what it can without the value. Both recognise a
-unit slip: an answer off by exactly 2^10, 2^20, 2^30, 10^3, 10^6 or 10^9 (or by the
-ratio of a binary to a decimal prefix) is named as such.
+The teacher's check: :func:`check` has the expected value (the teacher's repository
+computes it with kimilab, and the grader runs it in its own process) and says by what
+factor an answer is off and where an array differs most. It recognises a unit slip: an
+answer off by exactly 2^10, 2^20, 2^30, 10^3, 10^6 or 10^9 (or by the ratio of a binary
+to a decimal prefix) is named as such. The student bundle has no expected value; its
+public checks (:mod:`kimilab.exercises.public`) share this module's wording.
 """
 
 from __future__ import annotations
