@@ -81,9 +81,10 @@ fuzz: $(STAMP)
 	|| { echo "make fuzz failed with seed $$seed: FUZZ_SEED=$$seed make fuzz repeats it"; exit 1; }
 
 # Every notebook of a fresh student bundle runs, on the bundle's own kimilab, up to its first
-# exercise and stops there (executes every chapter again, so not part of make test).
+# exercise and stops there (executes every chapter again, so not part of make test); and the
+# grader faces every known forgery and class-breaking notebook (tests/test_redteam.py).
 classroom: $(STAMP)
-	$(BIN)/python -m pytest -q -m classroom tests/test_classroom.py
+	$(BIN)/python -m pytest -q -m classroom tests/test_classroom.py tests/test_redteam.py
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/
