@@ -127,8 +127,9 @@ def stage_profile(args, repeat: int = 5) -> str:
     G = chunk._chunk_cumsum(g, CHUNK)
 
     def prepare_all():
+        work = {}  # the buffers chunk_kda shares between its slabs
         for c0, c1 in chunk._slabs(T // CHUNK, H):
-            chunk._prepare_slab(q, k, v, G, beta, c0, c1, CHUNK, scale, decaying, need_output=True)
+            chunk._prepare_slab(q, k, v, G, beta, c0, c1, CHUNK, scale, decaying, need_output=True, work=work)
 
     cumsum = 1e3 * best_seconds(lambda: chunk._chunk_cumsum(g, CHUNK), repeat)
     prepare = 1e3 * best_seconds(prepare_all, repeat)
@@ -190,8 +191,8 @@ def main() -> None:
             rec.append(1e3 * best_seconds(lambda: kda.recurrent_kda(*args), 1))
             chk.append(1e3 * best_seconds(lambda: kda.chunk_kda(*args, chunk_size=CHUNK), 3))
         rec_ms, chunk_ms = min(rec), min(chk)
-        G = chunk._chunk_cumsum(args[3][None], CHUNK)
-        blocks = [int(chunk._block_sizes(chunk._slab(G, c0, c1, CHUNK), CHUNK, decaying=True).min())
+        G = chunk._chunk_cumsum(args[3][None], CHUNK)[0]  # [N, C, H, K]
+        blocks = [int(chunk._block_sizes(G[c0:c1].reshape(c1 - c0, CHUNK, H * K), CHUNK, decaying=True).min())
                   for c0, c1 in chunk._slabs(T // CHUNK, H)]
         print(f"kda_chunk_vs_recurrent[{gate} gates]: ratio={rec_ms / chunk_ms:.1f}x "
               f"(recurrent={rec_ms:.1f} ms, chunked={chunk_ms:.1f} ms; in-chunk block size per slab {blocks})")
