@@ -13,7 +13,7 @@ import ast
 import inspect
 import textwrap
 
-__all__ = ["WIDTH", "LISTING_LINES", "show_source", "source_of", "Table", "show_table", "key_results"]
+__all__ = ["WIDTH", "LISTING_LINES", "show_source", "source_of", "wrap_listing", "Table", "show_table", "key_results"]
 
 WIDTH = 100  # the widest printed line the book allows
 LISTING_LINES = 40  # the longest listing allowed in a chapter's core path
@@ -49,16 +49,54 @@ def show_source(obj, *, docstring: bool = False, limit: int | None = LISTING_LIN
     explains it, and a reworded docstring then does not change a stored output). A listing
     longer than ``limit`` lines raises: the core path shows at most ``LISTING_LINES``; a deep
     dive may pass ``limit=None``. Returns an ``IPython.display.Code`` object, whose plain-text
-    form is the source itself, so the stored notebook output changes exactly when the code does.
+    form is the source itself (lines wider than the page broken inside brackets, :func:`wrap_listing`),
+    so the stored notebook output changes exactly when the code does.
     """
     from IPython.display import Code
 
-    text = source_of(obj, docstring=docstring)
+    text = wrap_listing(source_of(obj, docstring=docstring))
     n = len(text.splitlines())
     if limit is not None and n > limit:
         raise ValueError(f"show_source({getattr(obj, '__qualname__', obj)}): the listing has {n} lines, over "
                          f"limit={limit}; show a smaller function, or pass limit=None inside a deep dive")
     return Code(text, language="python")
+
+
+def _break_after(line: str, width: int) -> int | None:
+    """The position just after the last comma inside the outermost brackets that have one (outside
+    strings and comments) that leaves the line's head within ``width``; None if there is none."""
+    depth, quote, best = 0, None, {}
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote and line[i - 1] != "\\":
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            break
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth > 0 and i + 1 <= width:
+            best[depth] = i + 1
+    return best[min(best)] if best else None
+
+
+def wrap_listing(text: str, width: int = WIDTH) -> str:
+    """``text`` with every line wider than ``width`` broken after a comma inside brackets (still valid
+    Python), the rest indented 8 more: a listing fits the page as the chapters' printed lines must."""
+    out = []
+    for line in text.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()) + 8)
+        while len(line) > width:
+            cut = _break_after(line, width)
+            if cut is None or not line[cut:].strip():
+                break
+            out.append(line[:cut].rstrip())
+            line = indent + line[cut:].lstrip()
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 def _cell(value, fmt: str | None) -> str:

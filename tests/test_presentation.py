@@ -78,11 +78,40 @@ def test_save_names_and_writes(tmp_path, monkeypatch):
 
 
 def test_show_source_is_the_package_code():
+    from kimilab.notebook import wrap_listing
+
     code = show_source(checks.check, limit=None)
-    assert code.data == source_of(checks.check, docstring=False)
+    assert code.data == wrap_listing(source_of(checks.check, docstring=False))
     assert "def check(" in code.data
     full = source_of(checks.check)
-    assert [ln for ln in code.data.splitlines()] == [ln for ln in full.splitlines() if ln in code.data.splitlines()]
-    assert show_source(checks.check, docstring=True, limit=None).data == full
+    shown = wrap_listing(full)
+    assert [ln for ln in code.data.splitlines()] == [ln for ln in shown.splitlines() if ln in code.data.splitlines()]
+    assert show_source(checks.check, docstring=True, limit=None).data == shown
+    with pytest.raises(ValueError, match="obj="):
+        source_of(42)
+
+
+def test_a_listing_is_wrapped_to_the_page_and_stays_the_same_code():
+    """Lines wider than the page break after a comma inside brackets: still valid Python, the same tokens."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    import kimilab.kda.chunk as chunk
+    from kimilab.notebook import WIDTH, wrap_listing
+
+    def tokens(text):
+        return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+
+    source = inspect.getsource(chunk.chunk_kda)  # chapter 2's listing
+    wrapped = wrap_listing(source)
+    assert max(len(ln) for ln in source.splitlines()) > WIDTH  # the test means something
+    assert max(len(ln) for ln in wrapped.splitlines()) <= WIDTH
+    ast.parse(textwrap.dedent(wrapped))
+    assert tokens(wrapped) == tokens(source)
+    assert wrap_listing("x = f(a, 'b, c # d')  # e, f", width=12) == "x = f(a,\n        'b, c # d')  # e, f"
     with pytest.raises(ValueError, match="obj="):
         source_of(42)
