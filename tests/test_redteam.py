@@ -151,8 +151,9 @@ def test_no_attack_forges_a_grade_or_breaks_the_class(tmp_path):
             assert by[s, "1.1"]["status"] == "correct", (s, by[s, "1.1"])
     points = {s: sum(r["points"] for r in rows if Path(r["notebook"]).parent.name == s) for s in students}
     assert points["a_honest"] == points["z_honest"] == 1
-    for s in ("f1_forged_verdicts", "f1_guesses", "f2_key" if sandbox.abi() else "f1_guesses", "f3_patch", "f4_walker", "=f5_formula", "g4_tamper",
-              "n_no_check", "n_edited", "g2_hang", "g2_slow"):
+    forgers = ["f1_forged_verdicts", "f1_guesses", "f3_patch", "f4_walker", "=f5_formula", "g4_tamper", "n_no_check",
+               "n_edited", "g2_hang", "g2_slow"] + ["f2_key"] * bool(sandbox.abi())  # F2's file: sandbox only
+    for s in forgers:
         assert points[s] == 0, (s, [r for r in rows if Path(r["notebook"]).parent.name == s])
     assert "recorded 1000" in by["f1_guesses", "1.2"]["message"] or "recorded 1001" in by["f1_guesses", "1.2"][
         "message"]

@@ -24,7 +24,6 @@ the grader scores that notebook 0 and says why.
 from __future__ import annotations
 
 import compileall
-import hashlib
 import json
 import os
 import shutil
@@ -64,22 +63,24 @@ class Snapshot:
 
     def __init__(self, paths: list[Path]):
         self.files = {p: p.read_bytes() for p in paths}
-        self.digest = {p: hashlib.sha256(b).digest() for p, b in self.files.items()}
 
     def restore_changed(self) -> list[Path]:
-        """Put back every file that changed or vanished; returns them."""
+        """Put back every file that changed or vanished (or became a folder or a link); returns them."""
         changed = []
         for p, data in self.files.items():
             try:
-                same = p.is_file() and not p.is_symlink() and hashlib.sha256(p.read_bytes()).digest() == self.digest[p]
+                same = p.is_file() and not p.is_symlink() and p.read_bytes() == data
             except OSError:
                 same = False
-            if not same:
-                if p.is_symlink() or p.is_dir():
-                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_bytes(data)
-                changed.append(p)
+            if same:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.is_symlink():
+                p.unlink()
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(data)
+            changed.append(p)
         return changed
 
 

@@ -32,7 +32,7 @@ def encode(answer) -> dict:
     if isinstance(answer, (bool, np.bool_)):
         return {"type": "bool", "value": bool(answer)}
     if isinstance(answer, str):
-        return {"type": "str", "value": answer[:MAX_TEXT]} if len(answer) <= MAX_TEXT else {
+        return {"type": "str", "value": answer} if len(answer) <= MAX_TEXT else {
             "type": "other", "what": f"a string of {len(answer)} characters"}
     if isinstance(answer, (int, np.integer)):
         return {"type": "int", "value": int(answer)}
