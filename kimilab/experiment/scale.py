@@ -33,7 +33,6 @@ Everything is deterministic except the wall-clock fields, whose names end in ``_
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -46,6 +45,7 @@ from kimilab.experiment.spread import Spread, compare  # noqa: F401  (importable
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import Fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
+from kimilab.parallel import default_workers, pool_map
 from kimilab.fleet.goodput import (AGENT_SLO, MOONCAKE_SLO, SloGuard, priced, rate_grid, scan_capacity,
                                    session_grid, window)
 from kimilab.traffic import CLAUDE_CODE, MOONCAKE_CONVERSATION, load_sessions, load_trace
@@ -298,29 +298,16 @@ def _job(job: tuple) -> dict:
 def _run_jobs(jobs: list, workers: int, progress=None) -> list[dict]:
     """``_job`` over ``jobs`` on ``workers`` processes, results in the jobs' order; ``progress(line)``
     (if given) hears of each job as it finishes, with a count and an estimate of the time left."""
-    t0, done = time.perf_counter(), [None] * len(jobs)
+    t0 = time.perf_counter()
 
-    def tell(i: int, k: int) -> None:
+    def tell(i: int, k: int, row: dict) -> None:
         if progress is not None:
             el = time.perf_counter() - t0
             w, name, _ = jobs[i]
-            progress(f"[{k}/{len(jobs)}] {w}: {name}: goodput {done[i]['goodput']:.4g} "
+            progress(f"[{k}/{len(jobs)}] {w}: {name}: goodput {row['goodput']:.4g} "
                      f"({el:.0f} s, about {el / k * (len(jobs) - k):.0f} s left)")
 
-    if workers <= 1:
-        for i, j in enumerate(jobs):
-            done[i] = _job(j)
-            tell(i, i + 1)
-        return done
-    from concurrent.futures import ProcessPoolExecutor, as_completed  # lazily: Pyodide has no processes
-
-    with ProcessPoolExecutor(workers) as pool:
-        futures = {pool.submit(_job, j): i for i, j in enumerate(jobs)}
-        for k, f in enumerate(as_completed(futures), start=1):
-            i = futures[f]
-            done[i] = f.result()
-            tell(i, k)
-    return done
+    return pool_map(_job, jobs, workers, on_done=tell)
 
 
 def variant_rows(variants, kw: dict, *, workers: int | None = None, progress=None) -> list[dict]:
@@ -347,7 +334,7 @@ def variant_rows(variants, kw: dict, *, workers: int | None = None, progress=Non
                 continue
             same.setdefault(key, name)
             jobs.append((w, name, kw[w]))
-    workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
+    workers = workers or default_workers(len(jobs), cap=4)
     done = _run_jobs(jobs, workers, progress)
     by = {(r["workload"], r["variant"]): r for r in done}
     rows = []

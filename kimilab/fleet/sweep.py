@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from kimilab.config import preset
 from kimilab.fleet.fleet import run_fleet
+from kimilab.parallel import default_workers, pool_map
 
 __all__ = ["run_many"]
 
@@ -22,11 +21,5 @@ def _one(job: tuple) -> object:
 def run_many(requests, jobs: list[dict], *, model: str = "kimi_linear_48b", workers: int | None = None) -> list:
     """``run_fleet(requests, preset(model), **job)`` for each job, in order; results are deterministic.
     A job may carry its own ``requests`` (another tenant mix, say) in place of the shared ones."""
-    workers = workers or min(len(jobs), os.cpu_count() or 1, 4)
-    payload = [(requests, model, job) for job in jobs]
-    if workers <= 1 or len(jobs) <= 1:
-        return [_one(p) for p in payload]
-    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
-
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_one, payload))
+    workers = workers or default_workers(len(jobs), cap=4)
+    return pool_map(_one, [(requests, model, job) for job in jobs], workers)

@@ -20,12 +20,12 @@ has not seen.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from kimilab.config import preset
 from kimilab.costs import deployment as named_deployment
+from kimilab.parallel import default_workers, pool_map
 from kimilab.sim.loop import simulate
 from kimilab.sim.rekey import rekey
 from kimilab.sim.sweep import build_cache, cache_block
@@ -91,13 +91,8 @@ def _run(args) -> dict:
 
 
 def _pool_map(jobs: list[dict], workers: int | None) -> list[dict]:
-    workers = check_int("workers", min(2, os.cpu_count() or 1) if workers is None else workers, 1)
-    if workers == 1 or len(jobs) < 2:
-        return [_run(job) for job in jobs]
-    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
-
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_run, jobs, chunksize=1))
+    workers = check_int("workers", default_workers(len(jobs)) if workers is None else workers, 1)
+    return pool_map(_run, jobs, workers)
 
 
 def policy_map(shapes, commons, forks, reaches, *, seeds=(0,), duration_s: float = 1200.0,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import gzip
 import inspect
-import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimilab.config import preset
 from kimilab.costs import Deployment, kv_bytes_per_token, vllm_hybrid_pages
+from kimilab.parallel import default_workers, pool_map
 from kimilab.pool import RequestAllocator
 from kimilab.prefix import POLICIES, RunPrefixCache, make_policy
 from kimilab.prefix.blocks import split_prompt
@@ -222,19 +222,11 @@ def replay_many(jobs: dict, *, workers: int | None = None) -> dict:
     for key, job in jobs.items():
         if not isinstance(job, Replay):
             raise ValueError(f"jobs[{key!r}]: expected a kimilab.sim.Replay, got {type(job).__name__}")
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1)
-    workers = check_int("workers", workers, 1)
-    keys = list(jobs)
-    if workers == 1 or len(keys) < 2:
-        return {key: replay(jobs[key]) for key in keys}
+    workers = check_int("workers", default_workers(len(jobs)) if workers is None else workers, 1)
     # the slowest first, so the last job to start is a short one
-    order = sorted(keys, key=lambda k: -_weight(jobs[k]))
-    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
-
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        results = dict(zip(order, pool.map(replay, [jobs[key] for key in order], chunksize=1)))
-    return {key: results[key] for key in keys}
+    order = sorted(jobs, key=lambda k: -_weight(jobs[k]))
+    results = dict(zip(order, pool_map(replay, [jobs[key] for key in order], workers)))
+    return {key: results[key] for key in jobs}
 
 
 DATA = Path(__file__).resolve().parent.parent.parent / "data"
@@ -276,14 +268,8 @@ def simulate_many(jobs: dict, *, workers: int | None = None) -> dict:
     for key, job in jobs.items():
         if not (isinstance(job, tuple) and len(job) == 5):
             raise ValueError(f"jobs[{key!r}]: expected (requests, layout, shapes, budget_bytes, prefill_tokens_per_step)")
-    workers = check_int("workers", min(2, os.cpu_count() or 1) if workers is None else workers, 1)
-    keys = list(jobs)
-    if workers == 1 or len(keys) < 2:
-        return {key: _serve(jobs[key]) for key in keys}
-    from concurrent.futures import ProcessPoolExecutor  # lazily: Pyodide has no processes
-
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return dict(zip(keys, pool.map(_serve, [jobs[key] for key in keys], chunksize=2)))
+    workers = check_int("workers", default_workers(len(jobs)) if workers is None else workers, 1)
+    return dict(zip(jobs, pool_map(_serve, list(jobs.values()), workers)))
 
 
 def _weight(job: Replay) -> float:
