@@ -36,6 +36,21 @@
 # cell says otherwise. The model is the reduced, untrained `tiny` config: the mechanisms
 # are exact. Reference pages: [glossary](glossary.md), [notation](notation.md), [API](api.md).
 
+# %% tags=["setup", "remove-cell"]
+# Setup. On Colab this fetches the book and installs it; on your own machine it does nothing.
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+    BOOK = "/content/kimilab"
+    if not os.path.isdir(BOOK):
+        subprocess.run(["git", "clone", "-q", "--depth", "1", "-b", "main", "https://github.com/kimilab/kimilab", BOOK],
+                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", BOOK], check=True)
+    sys.path.insert(0, BOOK)
+    os.chdir(os.path.join(BOOK, "chapters"))
+
 # %%
 import matplotlib.pyplot as plt
 import numpy as np

@@ -38,6 +38,24 @@
 # elsewhere an in-process backend runs the same code.
 # Reference pages: [glossary](glossary.md), [notation](notation.md), [API](api.md).
 
+# %% tags=["setup", "remove-cell"]
+# Setup. On Colab this fetches the book and installs it; on your own machine it does nothing.
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+    BOOK = "/content/kimilab"
+    if not os.path.isdir(BOOK):
+        subprocess.run(["git", "clone", "-q", "--depth", "1", "-b", "main", "https://github.com/kimilab/kimilab", BOOK],
+                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", BOOK], check=True)
+    sys.path.insert(0, BOOK)
+    os.chdir(os.path.join(BOOK, "chapters"))
+if sys.platform == "emscripten":  # Python in the browser (JupyterLite) starts no threads or processes
+    raise SystemExit("Chapter 9 runs its ranks as threads, and as processes under mpiexec, which Python in the browser cannot start. "
+                     "Open it in Binder or Colab, or read its stored outputs on the web.")
+
 # %%
 import json
 import os

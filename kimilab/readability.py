@@ -3,7 +3,9 @@
 The formula (the readability issue's): 200 prose words a minute, 10 code lines, 15 printed
 output lines, 20 listing lines (a ``show_source`` cell's output), 1.5 minutes a figure. A section
 whose heading says "Deep dive" counts as deep-dive time until the next heading of the same or a
-higher level; everything else is the core path, which must read in ``CORE_LIMIT`` minutes.
+higher level; everything else is the core path, which must read in ``CORE_LIMIT`` minutes. The
+setup cell (tagged ``setup``: it installs the book on Colab, :mod:`kimilab.site.launch`) is run, not
+read, and the web edition hides it, so it counts nowhere.
 
 ``python -m kimilab.readability [CHAPTERS_DIR]`` prints the table (and exits 1 past the limits).
 """
@@ -88,6 +90,8 @@ def read_notebook(nb: dict, name: str = "") -> Reading:
                         r.deep_dives.append(m.group(2).strip())
                     counts = r.deep if deep_level is not None else r.core
                 counts.words += len(line.split())
+            continue
+        if "setup" in cell.get("metadata", {}).get("tags", []):
             continue
         counts = r.deep if deep_level is not None else r.core
         if i < 6 and "key_results(" in src and any("Key results" in _text_of(o) for o in cell.get("outputs", [])):

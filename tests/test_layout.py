@@ -17,7 +17,7 @@ MAX_LINES = 450
 # Lower number = lower layer. Top-level modules and subpackages of kimilab.
 LAYERS = {
     "config": 0, "validate": 0, "verdict": 0, "timing": 0, "gcpause": 0, "tokenizer": 0, "plots": 0, "notebook": 0,
-    "readability": 0, "stored": 0,
+    "readability": 0, "stored": 0, "parallel": 0,
     "ops": 1,
     "kda": 2, "traffic": 2,
     "costs": 3, "recall": 3,

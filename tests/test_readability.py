@@ -100,3 +100,13 @@ def test_listings_are_pinned_by_function_and_short():
     with pytest.raises(ValueError, match="over limit=3"):
         show_source(attention.causal_attention, limit=3)
     assert show_source(attention, limit=None).data.count("\n") > 40
+
+
+def test_the_setup_cell_is_run_not_read():
+    """Colab's setup cell (tagged setup, hidden on the web) adds no reading time; any other cell does."""
+    body = "\n".join(f"line_{i} = {i}" for i in range(30))
+    nb = {"cells": [_markdown("# T"), _code(body, ""), _code("key_results(1)", "Key results\n- 1")]}
+    plain = readability.read_notebook(nb).core_minutes
+    nb["cells"][1]["metadata"] = {"tags": ["setup", "remove-cell"]}
+    r = readability.read_notebook(nb)
+    assert r.key_results and plain - r.core_minutes == pytest.approx(30 / 10)

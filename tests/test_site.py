@@ -102,6 +102,24 @@ def test_the_student_site_shows_no_solution_and_no_verdict(sites):
     assert sum(ln in code(teacher) for ln in solutions) > len(solutions) // 2  # the check can see them at all
 
 
+def test_every_chapter_page_launches_in_binder_and_colab_and_downloads_its_notebook(sites):
+    """The launch menu's addresses come from kimilab.site.launch; the download is the page's own notebook
+    (the student edition's without solutions); the setup cell runs on Colab but is not shown. The student
+    edition has no launch menu: it would open the repository's chapters, solutions and all."""
+    from kimilab.site import launch
+
+    for edition, folder in sites.items():
+        for path in NOTEBOOKS:
+            page = html.unescape(_page(folder, path.stem))
+            for url in (launch.binder_url(path.stem), launch.colab_url(path.stem)):
+                assert (f'href="{url}"' in page) == (edition == "teacher"), f"{edition}/{path.stem}: launch {url}"
+            assert f'href="_sources/{path.stem}.ipynb"' in page, f"{edition}/{path.stem}: no download button"
+            assert "google.colab" not in page, f"{edition}/{path.stem}: the setup cell shows"
+            nb = nbformat.read(folder / "_sources" / f"{path.stem}.ipynb", as_version=4)
+            tags = [t for c in nb.cells for t in c.metadata.get("tags", [])]
+            assert "setup" in tags and (("solution" in tags) == (edition == "teacher")), f"{edition}/{path.stem}"
+
+
 def _a_word_only_one_chapter_has() -> tuple[str, str]:
     words = {}
     for path in NOTEBOOKS:
@@ -207,6 +225,8 @@ def test_the_sites_in_a_real_browser(sites):
                 if url.scheme or not href or href.startswith("#") and not url.fragment:
                     continue  # external links are not ours to check offline
                 target = url.path or page.name
+                if not target.endswith(".html") and not url.fragment and (folder / target).is_file():
+                    continue  # a file to download (the page's notebook)
                 assert target in ids, f"{page.name}: link {href!r} to a page that does not exist"
                 if url.fragment:
                     assert unquote(url.fragment) in ids[target], f"{page.name}: link {href!r}: no such anchor"

@@ -112,7 +112,11 @@ def _write_source(src: Path, notebooks: list[Path], edition: str) -> None:
     if src.exists():
         shutil.rmtree(src)
     (src / "_static").mkdir(parents=True)
-    shutil.copyfile(TEMPLATE / "conf.py.in", src / "conf.py")
+    conf = (TEMPLATE / "conf.py.in").read_text(encoding="utf-8")
+    if edition == "student":  # the repository's chapters show the solutions: students download their notebook
+        conf += '\n# The student edition: no launch menu (it would open the solutions); the download button stays.\n' \
+                'html_theme_options["launch_buttons"] = {}\n'
+    (src / "conf.py").write_text(conf, encoding="utf-8")
     for static in (TEMPLATE / "_static").iterdir():
         shutil.copyfile(static, src / "_static" / static.name)
     _copy_mathjax(src / "_static")
