@@ -12,7 +12,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: setup book html student grade classroom launch experiment results test lint fuzz lab sync bench parity clean
+.PHONY: setup book html student grade classroom launch site experiment results test lint fuzz lab sync bench parity clean
 
 setup: $(STAMP)
 
@@ -63,7 +63,7 @@ lint: $(STAMP)
 # notebook's cells stay together on one worker: --dist loadfile). JOBS=1 runs them in one process.
 JOBS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not classroom and not network" tests chapters/*.ipynb $(NBVAL)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not classroom and not network and not site" tests chapters/*.ipynb $(NBVAL)
 
 # The property tests of pool, prefix cache, engine, fleet, speculative decoding, context
 # parallelism and the command line (random argv on malformed traces) with a random seed (printed)
@@ -85,6 +85,10 @@ fuzz: $(STAMP)
 # grader faces every known forgery and class-breaking notebook (tests/test_redteam.py).
 classroom: $(STAMP)
 	$(BIN)/python -m pytest -q -m classroom tests/test_classroom.py tests/test_redteam.py
+
+# The web edition's tests: both sites built from the stored notebooks, read as files and in headless Chromium.
+site: $(STAMP)
+	$(BIN)/python -m pytest -q -m site tests/test_site.py
 
 # Where else the book opens: the Colab setup cell, the browser's limits (also in make test), and the
 # Binder environment resolving from the package index in a clean virtual environment (needs the network).

@@ -12,6 +12,10 @@ overflows sideways except inside a box that scrolls (math, code, tables); the se
 page finds a chapter by a word that only its body contains; the theme button switches
 to dark mode. Screenshots land in ``_build/``: ``site-index.png``, ``site-dark.png``,
 ``site-phone.png``.
+
+Building both sites takes about a minute of Sphinx on two cores, so these tests are marked ``site``
+and run by ``make site`` (``.ci/run`` runs it), not by ``make test``; the API page's and the
+glossary's checks, which need no build, stay in ``make test``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def _page(folder: Path, stem: str) -> str:
     return (folder / f"{stem}.html").read_text(encoding="utf-8")
 
 
+@pytest.mark.site
 def test_both_editions_have_every_chapter_titled_by_its_first_heading(sites):
     for edition, folder in sites.items():
         for path in NOTEBOOKS:
@@ -60,6 +65,7 @@ def test_both_editions_have_every_chapter_titled_by_its_first_heading(sites):
     assert (sites["teacher"] / "TEACHING.html").exists() and not (sites["student"] / "TEACHING.html").exists()
 
 
+@pytest.mark.site
 def test_nothing_loads_from_the_network_and_no_test_marker_shows(sites):
     for folder in sites.values():
         for page in folder.glob("*.html"):
@@ -70,6 +76,7 @@ def test_nothing_loads_from_the_network_and_no_test_marker_shows(sites):
                 assert "NBVAL_" not in text, f"{page.name}: an nbval marker shows"
 
 
+@pytest.mark.site
 def test_every_figure_is_numbered_captioned_and_described(sites):
     folder = sites["teacher"]
     for path in NOTEBOOKS:
@@ -84,6 +91,7 @@ def test_every_figure_is_numbered_captioned_and_described(sites):
             assert caption.strip().startswith(f"Figure {chapter}.{k}.") and len(caption) > 30, caption
 
 
+@pytest.mark.site
 def test_the_student_site_shows_no_solution_and_no_verdict(sites):
     solutions = set()
     for path in NOTEBOOKS:
@@ -102,6 +110,7 @@ def test_the_student_site_shows_no_solution_and_no_verdict(sites):
     assert sum(ln in code(teacher) for ln in solutions) > len(solutions) // 2  # the check can see them at all
 
 
+@pytest.mark.site
 def test_every_chapter_page_launches_in_binder_and_colab_and_downloads_its_notebook(sites):
     """The launch menu's addresses come from kimilab.site.launch; the download is the page's own notebook
     (the student edition's without solutions); the setup cell runs on Colab but is not shown. The student
@@ -176,6 +185,7 @@ def _ids(path: Path) -> set:
     return set(re.findall(r'\bid="([^"]+)"', path.read_text(encoding="utf-8")))
 
 
+@pytest.mark.site
 @pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="no chromium/chromedriver on this machine "
                     "(apt-get install chromium chromium-driver)")
 def test_the_sites_in_a_real_browser(sites):
