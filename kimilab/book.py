@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def _strip_volatile(nb) -> None:
 def execute_chapter(src: Path, *, timeout: int = 600) -> tuple[Path, float]:
     """Execute one chapter source and write its paired .ipynb; returns (path, seconds)."""
     import jupytext
+    from jupyter_client import KernelManager
     from nbclient import NotebookClient
 
     nb = jupytext.read(src)
@@ -80,16 +82,19 @@ def execute_chapter(src: Path, *, timeout: int = 600) -> tuple[Path, float]:
     # Small matrices + a shared 2-core machine: one BLAS thread is faster and steadier.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    client = NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(CHAPTERS)}},
-        record_timing=False,
-    )
-    start = time.perf_counter()
-    client.execute()
-    seconds = time.perf_counter() - start
+    # The kernel talks over Unix sockets in a private folder: no TCP port (ipykernel warns of one
+    # without encryption), and nothing left behind.
+    with tempfile.TemporaryDirectory(prefix="kimilab-kernel-") as sockets:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+        client = NotebookClient(nb, km=km, timeout=timeout, resources={"metadata": {"path": str(CHAPTERS)}},
+                                record_timing=False)
+        start = time.perf_counter()
+        try:
+            client.execute()
+            seconds = time.perf_counter() - start
+        finally:
+            if km.has_kernel:  # the client shuts down only the kernels it started itself
+                km.shutdown_kernel()
     _strip_volatile(nb)
     out = src.with_suffix(".ipynb")
     jupytext.write(nb, out, fmt="ipynb")
