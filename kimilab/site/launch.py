@@ -40,20 +40,18 @@ _CELL = re.compile(r"^# %% tags=\[\"setup\"[^\n]*\n(?:(?!# %%).*\n)*", re.M)
 _FIRST_CODE = re.compile(r"^# %%\n", re.M)
 
 
-def _path(stem: str) -> str:
-    owner_repo = REPOSITORY.removeprefix("https://github.com/")
-    return f"{owner_repo}/blob/{BRANCH}/chapters/{stem}.ipynb"
+def _owner_repo() -> str:
+    return REPOSITORY.removeprefix("https://github.com/")
 
 
 def colab_url(stem: str) -> str:
     """The address that opens chapter ``stem`` (``"01_naive_kv_cache"``) in Colab."""
-    return f"{COLAB}/github/{_path(stem)}"
+    return f"{COLAB}/github/{_owner_repo()}/blob/{BRANCH}/chapters/{stem}.ipynb"
 
 
 def binder_url(stem: str) -> str:
     """The address that builds the repository on Binder and opens chapter ``stem`` in JupyterLab."""
-    owner_repo = REPOSITORY.removeprefix("https://github.com/")
-    return f"{BINDER}/v2/gh/{owner_repo}/{BRANCH}?urlpath=lab/tree/chapters/{stem}.ipynb"
+    return f"{BINDER}/v2/gh/{_owner_repo()}/{BRANCH}?urlpath=lab/tree/chapters/{stem}.ipynb"
 
 
 def setup_cell(stem: str) -> str:
