@@ -414,9 +414,10 @@ plt.show()
 # branches from: the new suffix of one request, used once. `RunPrefixCache` keeps such a
 # chain as **one** node, a *run* of blocks stamped and pinned together. It splits a run
 # only where a later prompt stops or leaves it, and when it evicts, it trims a run's tail
-# with the same ranks and the same tie-breaking as the block tree, in one step while the
-# order of what goes cannot change on the way. It is a twin, not a new design: the same
-# policy objects, the same clock, the same checkpoint heap. `tests/test_runs.py` holds
+# for as long as that tail stays first in the eviction order. That order is total: lowest
+# rank, then the block or state whose last request came first, then the shallower. So the
+# twin needs the same ranks, not the same queue. It is a twin, not a new design: the same
+# policy objects and the same clock. `tests/test_runs.py` holds
 # every request's outcome (KV hit, usable hit, checkpoints added and where) equal to the
 # block tree's, on random branching traffic and on the real trace; here, the first 3,000
 # requests:

@@ -1,5 +1,7 @@
 """RunPrefixCache (runs of blocks) is the exact twin of HybridPrefixCache (one node per block)."""
 
+from contextlib import contextmanager
+
 import pytest
 from hypothesis import example, given, settings, strategies as st
 from fuzzing import examples
@@ -45,18 +47,13 @@ def _policy(choice):
     return make_policy(name, **kwargs)
 
 
-def _both(choice, capacity_tokens, heap_slack=64):
-    """The twins; a small ``heap_slack`` compacts their checkpoint heaps often (forgetting pinned
-    checkpoints, which then queue again later), a negative one at every push, where the default
-    rarely does on small traces."""
+def _both(choice, capacity_tokens):
+    """The block tree and its run twin, under one policy and budget."""
     kw = dict(deployment=ONE_H200, block_size=BS, capacity_tokens=capacity_tokens)
-    pair = HybridPrefixCache.for_budget(CFG, _policy(choice), **kw), RunPrefixCache(CFG, _policy(choice), **kw)
-    for cache in pair:
-        cache.HEAP_SLACK = heap_slack
-    return pair
+    return HybridPrefixCache.for_budget(CFG, _policy(choice), **kw), RunPrefixCache(CFG, _policy(choice), **kw)
 
 
-# a trace on which the block tree's results depend on when it compacts its checkpoint heap
+# a trace on which queue order alone (not rank) once decided which checkpoint went first
 TIE_TURNS = [([1, 1, 0, 0, 0, 0], 0), ([1, 0], 0), ([1, 1, 0, 0, 0, 0, 0], 0)] + [([0], 0)] * 18 + [([0, 0], 0)]
 
 
@@ -67,27 +64,50 @@ def _results(cache, turns):
              cache.checkpoints_admitted, cache.checkpoints_evicted, evicted()) for r in _requests(turns)]
 
 
-def test_heap_compaction_decides_ties_so_the_twins_share_its_rule():
-    """Compacting the checkpoint heap forgets pinned checkpoints, which queue again later with new
-    serials: that can decide a tie between equal ranks, so which blocks stay depends on when the heap
-    is compacted (here: at every push against never). Equal results need the twin to compact by the
-    block tree's rule; if this stops differing, compaction no longer decides ties and the twin's
-    mirroring of it (``HEAP_SLACK``, ``_queued``) may go."""
-    assert HybridPrefixCache.HEAP_SLACK == RunPrefixCache.HEAP_SLACK
+@pytest.mark.parametrize("choice", ["dual", "ends", "every-block"])
+def test_when_stale_entries_are_swept_decides_nothing(choice):
+    """The eviction order is total (rank, then the request that used it last, then depth), so sweeping
+    stale queue entries out -- at every push, or never -- changes no result, in either twin. Before,
+    ties between equal ranks went in queue order, and sweeping (which forgets pinned checkpoints)
+    changed which checkpoint stayed on this trace."""
     by_slack = {}
     for slack in (-10**9, 10**9):
-        blocks, runs = _both("dual", 52 * BS, slack)
-        by_slack[slack] = _results(blocks, TIE_TURNS)
-        assert _results(runs, TIE_TURNS) == by_slack[slack]
-    assert by_slack[-10**9] != by_slack[10**9]
+        with _compact_slack(slack):
+            blocks, twin = _both(choice, 52 * BS)
+            by_slack[slack] = _results(blocks, TIE_TURNS)
+            assert _results(twin, TIE_TURNS) == by_slack[slack]
+            twin.check_invariants()
+            blocks.check_invariants()
+    assert by_slack[-10**9] == by_slack[10**9]
 
 
 @settings(max_examples=examples(150), deadline=None)
-@given(TURNS, st.integers(1, 90), POLICY_CHOICES, st.sampled_from([64, 0, 2, -10**9]))
+@given(TURNS, st.integers(1, 90), POLICY_CHOICES, st.sampled_from([None, 0, 2, -10**9]))
 # a trimmed run whose next tail holds a checkpoint ranked by FLOPs must be compared again (make fuzz found it)
-@example(turns=[([0] * 8, 0)] + [([0], 0)] * 14, capacity_blocks=30, choice="dual-interval", heap_slack=64)
-def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice, heap_slack):
-    blocks, runs = _both(choice, capacity_blocks * BS, heap_slack)
+@example(turns=[([0] * 8, 0)] + [([0], 0)] * 14, capacity_blocks=30, choice="dual-interval", slack=None)
+def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_blocks, choice, slack):
+    """``slack``: how often both sweep stale entries out of their queues (None: as shipped)."""
+    with _compact_slack(slack):
+        _replay_both(turns, capacity_blocks, choice)
+
+
+@contextmanager
+def _compact_slack(slack):
+    from kimilab.prefix import hybrid, radix, runs
+
+    modules = (hybrid, radix, runs)
+    before = [m.COMPACT_SLACK for m in modules]
+    for m in modules:
+        m.COMPACT_SLACK = before[0] if slack is None else slack
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, before):
+            m.COMPACT_SLACK = value
+
+
+def _replay_both(turns, capacity_blocks, choice):
+    blocks, runs = _both(choice, capacity_blocks * BS)
     for r in _requests(turns):
         assert runs.serve(r.hash_ids, r.input_length) == blocks.serve(r.hash_ids, r.input_length)
         assert (runs.kv_pages, runs.checkpoint_pages_used, runs.pages_admitted, runs.checkpoints_admitted,
@@ -95,6 +115,7 @@ def test_every_outcome_and_page_count_equals_the_block_tree(turns, capacity_bloc
                (blocks.kv_pages, blocks.checkpoint_pages_used, blocks.pages_admitted, blocks.checkpoints_admitted,
                 blocks.checkpoints_evicted, blocks.tree.n_evicted)
         runs.check_invariants()
+        blocks.check_invariants()
     assert (runs.checkpoints_admitted, runs.checkpoints_evicted, runs.n_evicted) == \
            (blocks.checkpoints_admitted, blocks.checkpoints_evicted, blocks.tree.n_evicted)
     assert runs.n_runs <= blocks.tree.n_nodes == runs.n_blocks
@@ -112,11 +133,15 @@ def test_the_real_trace_replays_identically(data_dir, choice, gb):
 
 @given(st.floats(0, 1e6), st.integers(1, 10**6), st.integers(1, 10**6))
 def test_built_in_policies_rank_leaves_without_checkpoints_by_last_use(t, end, blocks):
-    """RunPrefixCache evicts a run's tail in one step only for policies that promise this."""
+    """RunPrefixCache trims a run's tail in one pass, and skips computing ranks, only for policies that
+    promise this: leaves without a checkpoint rank by last use (``lru_leaves``), and so do checkpoints
+    and leaves with one (``lru_checkpoints``)."""
     cache = RunPrefixCache(CFG, make_policy("dual"), deployment=ONE_H200, block_size=BS, capacity_tokens=blocks * BS)
     for name in POLICIES:
         policy = make_policy(name)
         assert policy.lru_leaves and policy.kv_priority(cache, t, end, False) == t
+        if policy.lru_checkpoints:
+            assert policy.checkpoint_priority(cache, t, end) == policy.kv_priority(cache, t, end, True) == t
 
 
 def test_bad_arguments_name_what_is_expected():

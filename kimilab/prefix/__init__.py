@@ -6,7 +6,6 @@
 * ``policies``  where a hybrid cache keeps state checkpoints, and what it evicts first
 * ``hybrid``    HybridPrefixCache: KV blocks + state checkpoints in one page pool (accounting)
 * ``runs``      RunPrefixCache: the same cache over runs of blocks, the fast twin for trace replays
-  (its eviction order in ``run_evict``)
 * ``segments``  SegmentCache: a tree of segments that end at states (Marconi's, SGLang's), with
   pluggable eviction: ``marconi`` (as published), ``oracle`` (clairvoyant), SGLang's LRU lists
 * ``precision`` cheaper checkpoints (bf16, SGLang's int8) and ``fidelity``: what a hit from one costs

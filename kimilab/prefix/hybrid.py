@@ -23,7 +23,7 @@ from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
 from kimilab.validate import check_int
 from kimilab.prefix.policies import Placement, Policy, check_interval
 from kimilab.prefix.nodes import Node
-from kimilab.prefix.radix import RadixTree
+from kimilab.prefix.radix import COMPACT_SLACK, RadixTree
 
 __all__ = ["Checkpoint", "Outcome", "HybridPrefixCache"]
 
@@ -41,6 +41,16 @@ def shared_costs(config: ModelConfig, deployment: Deployment) -> CacheCosts:
     return costs
 
 
+def budget_pages(capacity_tokens: int | None, block_size: int) -> tuple:
+    """``(capacity_tokens, pages)`` of a budget checked to hold at least one block (None: no limit)."""
+    if capacity_tokens is None:
+        return None, UNBOUNDED_PAGES
+    capacity_tokens = check_int("capacity_tokens", capacity_tokens, 1, unit="tokens")
+    if capacity_tokens < block_size:
+        raise ValueError(f"capacity_tokens={capacity_tokens}: expected at least one block (block_size={block_size})")
+    return capacity_tokens, min(capacity_tokens // block_size, UNBOUNDED_PAGES)
+
+
 class Checkpoint:
     """A cached state at the end of a tree node: its pages and its rank for eviction.
 
@@ -50,13 +60,14 @@ class Checkpoint:
     states' bytes.
     """
 
-    __slots__ = ("alloc", "priority", "serial", "last_access", "computed")
+    __slots__ = ("alloc", "priority", "serial", "last_access", "touched", "computed")
 
-    def __init__(self, alloc, last_access: int):
+    def __init__(self, alloc, last_access: float, touched: int):
         self.alloc = alloc
         self.priority = 0.0
-        self.serial = -1
+        self.serial = -1  # its entry in the heap; -1: none (queued again when it can be evicted)
         self.last_access = last_access
+        self.touched = touched  # the request clock at its last use (the tie-break, as a node's)
         self.computed = False
 
 
@@ -83,11 +94,6 @@ class HybridPrefixCache:
     ``ceil(checkpoint_bytes / page_bytes)`` pages (0 under ``kv-only``). A hit
     always leaves at least one prompt token to compute (its logits start decoding).
     """
-
-    # The checkpoint heap is compacted past HEAP_SLACK + 4 x the checkpoints held. Compaction forgets
-    # pinned checkpoints (queued again later, with new serials), so it can decide a tie between equal
-    # ranks: RunPrefixCache compacts by this same rule to keep every result equal (tests/test_runs.py).
-    HEAP_SLACK = 64
 
     def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs: CacheCosts, *,
                  partial_blocks: bool = False, allocs_per_node: int = 1):
@@ -131,16 +137,7 @@ class HybridPrefixCache:
         grows only with what is cached.
         """
         block_size = check_int("block_size", block_size, 1, unit="tokens")
-        if capacity_tokens is None:
-            n_pages = UNBOUNDED_PAGES
-        else:
-            capacity_tokens = check_int("capacity_tokens", capacity_tokens, 1, unit="tokens")
-            if capacity_tokens < block_size:
-                raise ValueError(
-                    f"capacity_tokens={capacity_tokens}: expected at least one block "
-                    f"(block_size={block_size})"
-                )
-            n_pages = min(capacity_tokens // block_size, UNBOUNDED_PAGES)
+        capacity_tokens, n_pages = budget_pages(capacity_tokens, block_size)
         costs = shared_costs(config, deployment)
         pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token,
                         backed=False, name=f"prefix-{policy.name}")
@@ -154,8 +151,9 @@ class HybridPrefixCache:
         self._serial += 1
         ck.serial = self._serial
         ck.priority = priority = self.policy.checkpoint_priority(self, ck.last_access, node.end)
-        heapq.heappush(self._heap, (priority, self._serial, node))
-        if len(self._heap) > self.HEAP_SLACK + 4 * max(self.n_checkpoints, 1):
+        if len(self._heap) >= COMPACT_SLACK + 4 * max(self.n_checkpoints, 1):
+            # before the push: the entry being pushed may be valid only once its caller is done
+            # (_on_evict runs while the evicted child is still linked), so it is never swept
             keep = []
             for entry in self._heap:
                 if self._valid(entry):
@@ -164,16 +162,17 @@ class HybridPrefixCache:
                     self._forget(entry)
             heapq.heapify(keep)
             self._heap = keep
+        heapq.heappush(self._heap, (priority, ck.touched, node.end, self._serial, node))
 
     @staticmethod
     def _forget(entry) -> None:
         """An entry leaves the heap: if it was its checkpoint's only one, mark it for re-queueing."""
-        ck = entry[2].payload
-        if ck is not None and ck.serial == entry[1]:
+        ck = entry[4].payload
+        if ck is not None and ck.serial == entry[3]:
             ck.serial = -1
 
     def _valid(self, entry) -> bool:
-        _, serial, node = entry
+        serial, node = entry[3], entry[4]
         ck = node.payload
         if not node.alive or ck is None or ck.serial != serial or node.refcount:
             return False
@@ -182,10 +181,11 @@ class HybridPrefixCache:
         return True
 
     def _peek_checkpoint(self) -> Node | None:
+        """The node of the next checkpoint to evict alone (lowest ``(priority, touched, end)``)."""
         heap, protect = self._heap, self.policy.protect_branch_points
         while heap:
             entry = heap[0]
-            _, serial, node = entry  # _valid(), inlined
+            serial, node = entry[3], entry[4]  # _valid(), inlined
             ck = node.payload
             if (node.alive and ck is not None and ck.serial == serial and not node.refcount
                     and not (protect and len(node.children) != 1)):
@@ -235,7 +235,7 @@ class HybridPrefixCache:
         allocs = self.tree.allocate_many("checkpoint", self.checkpoint_pages, len(nodes),
                                          nbytes=self.costs.checkpoint_bytes)
         for node, alloc in zip(nodes, allocs):
-            node.payload = Checkpoint(alloc, node.last_access)
+            node.payload = Checkpoint(alloc, node.last_access, node.touched)
         self.n_checkpoints += len(allocs)
         self.checkpoints_admitted += len(allocs)
         self.pages_admitted += len(allocs) * self.checkpoint_pages
@@ -293,7 +293,7 @@ class HybridPrefixCache:
                 added = self._admit(wanted)
             if usable_node is not None:
                 ck = usable_node.payload
-                ck.last_access = usable_node.last_access
+                ck.last_access, ck.touched = usable_node.last_access, usable_node.touched
                 ck.serial = -1  # re-queue at the new rank in finish()
         added_at = tuple(node.end for node in added)
         outcome = Outcome(n, kv_hit, usable, len(added), added_at, len(m.nodes))
@@ -406,6 +406,15 @@ class HybridPrefixCache:
         assert all(n.computed or n.refcount for n in nodes), "an unpinned block was never computed"
         with_ck = [n for n in nodes if n.payload is not None]
         assert len(with_ck) == self.n_checkpoints, (len(with_ck), self.n_checkpoints)
+        queued = {id(e[4]): e for e in self._heap if self._valid(e)}
+        protect = self.policy.protect_branch_points
+        for node in with_ck:  # every checkpoint that may go alone is queued at its current rank
+            if node.refcount or (protect and len(node.children) != 1) or self.policy.free_states:
+                continue
+            ck = node.payload
+            rank = self.policy.checkpoint_priority(self, ck.last_access, node.end)
+            assert queued.get(id(node), (None,))[:3] == (rank, ck.touched, node.end), \
+                f"the checkpoint at {node.end} is evictable but not queued at its rank"
         stats = self.pool.stats()
         assert stats.pages_by_kind["kv"] == self.kv_pages
         assert stats.pages_by_kind["checkpoint"] == self.checkpoint_pages_used

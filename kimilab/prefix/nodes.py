@@ -1,17 +1,18 @@
-"""The radix tree's parts: a cached block (:class:`Node`) and a lookup's result (:class:`Match`)."""
+"""The prefix trees' parts: a cached block (:class:`Node`), a lookup's result (:class:`Match`), and
+the run tree's run of blocks (:class:`Run`) with its checkpoints (:class:`RunCheckpoint`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Node", "Match"]
+__all__ = ["Node", "Match", "Run", "RunCheckpoint"]
 
 
 class Node:
     """One cached block. ``end`` = prefix length (tokens) up to and including it."""
 
     __slots__ = ("key", "parent", "children", "n_tokens", "end", "alloc", "refcount", "last_access", "priority",
-                 "heap_serial", "tokens", "alive", "payload", "block_data", "node_id", "computed")
+                 "touched", "heap_serial", "tokens", "alive", "payload", "block_data", "node_id", "computed")
 
     def __init__(self, key, parent, n_tokens, end, alloc, node_id, tokens=None):
         self.key = key
@@ -23,6 +24,7 @@ class Node:
         self.refcount = 0
         self.last_access = 0
         self.priority = 0.0
+        self.touched = 0  # the request clock at its last use: with ``end``, it breaks ties between equal ranks
         self.heap_serial = -1
         self.tokens = tokens
         self.alive = True
@@ -60,3 +62,33 @@ class Match:
 
     # An attention model reuses every cached token: its usable hit is its KV hit.
     kv_hit = usable_hit = hit_tokens
+
+
+class Run:
+    """Blocks at depths ``lo..hi`` of one path (block d ends at token d * block_size)."""
+
+    __slots__ = ("key", "keys", "lo", "hi", "parent", "children", "refcount", "last_access", "touched",
+                 "version", "checkpoints", "parked", "alive")
+
+    def __init__(self, keys: list, lo: int, parent, last_access: float, touched: int):
+        self.key = keys[0] if keys else None
+        self.keys = keys
+        self.lo, self.hi = lo, lo + len(keys) - 1
+        self.parent = parent
+        self.children: dict = {}
+        self.refcount = 0
+        self.last_access, self.touched = last_access, touched
+        self.version = -1  # its leaf-queue entry; -1: none
+        self.checkpoints: dict = {}  # depth -> RunCheckpoint
+        self.parked: list = []  # its checkpoints taken off the queue while they could not be evicted
+        self.alive = True
+
+
+class RunCheckpoint:
+    """A state checkpoint at the end of block ``depth`` of ``run`` (None once evicted)."""
+
+    __slots__ = ("run", "depth", "last_access", "touched", "version")
+
+    def __init__(self, run: Run, depth: int, last_access: float, touched: int):
+        self.run, self.depth, self.last_access, self.touched = run, depth, last_access, touched
+        self.version = -1  # its checkpoint-queue entry; -1: none (new, or parked on its run)

@@ -72,12 +72,12 @@ class Policy:
     free_states = False  # True: states cost nothing and exist everywhere (pure attention)
     protect_branch_points = False  # True: a checkpoint on a node with >= 2 children is kept
     # True: a KV leaf without a checkpoint ranks by its last use alone, whatever its depth
-    # (kv_priority(cache, t, end, False) == t). RunPrefixCache then evicts a run's tail in
-    # one step; a policy whose leaf rank depends on depth must set it False.
+    # (kv_priority(cache, t, end, False) == t). RunPrefixCache then trims a run's tail without
+    # ranking each block; a policy whose leaf rank depends on depth must set it False.
     lru_leaves = True
     # True: checkpoints rank by last use alone, as KV leaves with a checkpoint do
     # (checkpoint_priority(cache, t, end) == kv_priority(cache, t, end, True) == t), so
-    # RunPrefixCache may evict a run's checkpointed tail in one step too.
+    # RunPrefixCache may skip ranking those too.
     lru_checkpoints = True
 
     def positions(self, p: Placement) -> list[int]:
@@ -193,8 +193,9 @@ class Ends(Policy):
     exactly what multi-turn traffic re-sends (the previous turn plus its reply).
     Recency is stamped on the cache's own clock, turnovers (pages admitted / pool
     pages), as ``dual`` stamps it: consecutive requests that admit no page share a
-    stamp, and such ties go in queueing order. So ``ends``, ``ends+branch`` and
-    ``dual`` differ only in what each adds, never in how time is counted.
+    stamp, and such ties go to the one whose last request came first (then the
+    shallower). So ``ends``, ``ends+branch`` and ``dual`` differ only in what
+    each adds, never in how time is counted.
     """
 
     name = "ends"

@@ -12,6 +12,11 @@ path from the root names a whole prefix. Two kinds of key work:
 
 Nodes used by running requests are pinned by a reference count; eviction frees
 unpinned leaves only (a parent's prefix is needed by its children), oldest first.
+
+The eviction order is total and needs no queue history: lowest rank first, then the
+earliest request clock at last use (``touched``), then the shallowest ``end`` (nodes with
+one ``touched`` lie on one request's path, so their ends differ). Any twin that ranks its
+blocks by the same key evicts the same blocks, however it keeps its queue.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from kimilab.prefix.blocks import block_token_counts, split_prompt
 from kimilab.prefix.nodes import Match, Node
 from kimilab.validate import check_int
 
-__all__ = ["Node", "Match", "RadixTree"]
+__all__ = ["Node", "Match", "RadixTree", "COMPACT_SLACK"]
+
+# A lazy heap is rebuilt without its stale entries once it holds more than this + 4 x its live
+# ones. This bounds its memory only: the order does not depend on when that happens.
+COMPACT_SLACK = 64
 
 
 class RadixTree:
@@ -137,9 +146,9 @@ class RadixTree:
 
     def touch(self, nodes: Iterable[Node]) -> None:
         """Mark nodes as used now; an evictable one is re-queued at its new rank."""
-        now = self.now()
+        now, clock = self.now(), self.clock
         for node in nodes:
-            node.last_access = now
+            node.last_access, node.touched = now, clock
             if node.refcount == 0 and not node.children:
                 self._push_leaf(node)
 
@@ -183,8 +192,8 @@ class RadixTree:
         self._serial += 1
         node.heap_serial = self._serial
         node.priority = priority = self.priority_of(node)
-        heapq.heappush(self._leaf_heap, (priority, self._serial, node))
-        if len(self._leaf_heap) > 64 + 4 * self.n_nodes:
+        heapq.heappush(self._leaf_heap, (priority, node.touched, node.end, self._serial, node))
+        if len(self._leaf_heap) > COMPACT_SLACK + 4 * self.n_nodes:
             self._compact_heap()
 
     def _compact_heap(self) -> None:
@@ -193,15 +202,17 @@ class RadixTree:
 
     @staticmethod
     def _valid(entry) -> bool:
-        _, serial, node = entry
-        return node.alive and node.heap_serial == serial and node.refcount == 0 and not node.children
+        node = entry[4]
+        return node.alive and node.heap_serial == entry[3] and node.refcount == 0 and not node.children
 
     def peek_evictable(self) -> Node | None:
-        """The next leaf eviction would take, or None if every leaf is pinned."""
+        """The next leaf eviction would take (lowest ``(priority, touched, end)``), or None if every
+        leaf is pinned."""
         heap = self._leaf_heap
         while heap:
-            _, serial, node = heap[0]  # _valid(), inlined
-            if node.alive and node.heap_serial == serial and node.refcount == 0 and not node.children:
+            entry = heap[0]
+            node = entry[4]  # _valid(), inlined
+            if node.alive and node.heap_serial == entry[3] and node.refcount == 0 and not node.children:
                 return node
             heapq.heappop(heap)
         return None
@@ -220,10 +231,10 @@ class RadixTree:
         path = m.nodes.copy()
         # Pin and stamp in one pass (what pin() then touch() do): nothing reads a pinned
         # node's stamp while the blocks below are allocated, and the clock stands still.
-        now = self.now()
+        now, clock = self.now(), self.clock
         for node in path:
             node.refcount += 1
-            node.last_access = now
+            node.last_access, node.touched = now, clock
         node = path[-1] if path else self.root
         first = len(path)
         complete = True
@@ -241,7 +252,7 @@ class RadixTree:
                 child = Node(keys[j], node, n, end, alloc, next_id,
                              None if blocks is None else np.array(blocks[j]))
                 child.refcount = 1
-                child.last_access = now
+                child.last_access, child.touched = now, clock
                 node.children[keys[j]] = child
                 path.append(child)
                 node = child
@@ -404,10 +415,16 @@ class RadixTree:
         return sum(n.n_tokens for n in self.nodes())
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the tree's structure or accounting is inconsistent."""
+        """Raise AssertionError if the tree's structure or accounting is inconsistent, or an evictable
+        leaf is not queued at its current rank (then the queue's lowest would not be the order's first)."""
         nodes = self.nodes()
         assert len(nodes) == self.n_nodes, (len(nodes), self.n_nodes)
+        queued = {id(e[4]): e for e in self._leaf_heap if self._valid(e)}
         for node in nodes:
+            if node.refcount == 0 and not node.children:
+                entry = queued.get(id(node))
+                assert entry is not None and entry[:3] == (self.priority_of(node), node.touched, node.end), \
+                    f"{node!r} is evictable but not queued at its rank"
             assert node.alive and node.alloc is not None
             assert node.parent.children.get(node.key) is node
             assert node.end == node.parent.end + node.n_tokens
