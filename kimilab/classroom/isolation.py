@@ -195,8 +195,10 @@ def run_isolated(nb, edition: Edition, work: Path, *, timeout: int, limit: int) 
         kernel = sandbox.launcher(_read_roots(edition.folder), [str(work), "/dev/null", "/dev/shm"], kernel)
     spec = {"argv": kernel, "display_name": "kimilab grading", "language": "python"}
     (work / "spec" / "kimilab-grade" / "kernel.json").write_text(json.dumps(spec), encoding="utf-8")
+    # Unix sockets in the submission's own folder (the sandbox lets it make them there, nowhere else): no
+    # TCP port on the machine, and no ipykernel warning about one without encryption
     km = AsyncKernelManager(kernel_name="kimilab-grade", kernel_spec_manager=KernelSpecManager(
-        kernel_dirs=[str(work / "spec")]))
+        kernel_dirs=[str(work / "spec")]), transport="ipc", ip=str(work / "home" / "kernel"))
     km.connection_file = str(work / "home" / "kernel.json")
     deadline = time.monotonic() + limit
 
