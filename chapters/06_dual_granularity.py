@@ -816,9 +816,9 @@ show_table(rows, ["trace", "GB", "auto picks", "hit", "best online", "best hit",
 #   (chat at 40 GB and at the device budget, agents at 40 GB; on agents at the budget
 #   the bootstrap window never closed), and loses where it chose more: alpha 1.2 on chat
 #   at 10 GB gives 0.053 against 0.055, alpha 0.3 on agents at 10 GB gives 0.629 against
-#   0.663. Its window is the first few hundred requests of the trace, which did not
+#   0.664. Its window is the first few hundred requests of the trace, which did not
 #   predict the rest.
-# - **`dual`'s fixed weight fails on agent traffic**: 0.442 against `ends`' 0.663 at
+# - **`dual`'s fixed weight fails on agent traffic**: 0.442 against `ends`' 0.664 at
 #   10 GB and 0.628 against 0.936 at 40 GB. Its rank grows with the FLOPs of the *whole*
 #   prefix, and every agent prompt is long, so old sessions' contexts outlive the live
 #   ones. On chat it loses at 40 GB (0.158 against 0.182) and wins a little at 10 GB.
@@ -826,7 +826,7 @@ show_table(rows, ["trace", "GB", "auto picks", "hit", "best online", "best hit",
 #   0.182) and 0.928 on agents (0.936): its states at every chunk end of a long prefill
 #   cost memory that request ends alone would leave to KV.
 # - **SGLang's split pools lose most**: 0.121 at 40 GB on chat, 0.510 at 10 GB on agents
-#   (`ends`: 0.663). Its KV pool gets 1 / 1.9 of the memory whatever the traffic needs;
+#   (`ends`: 0.664). Its KV pool gets 1 / 1.9 of the memory whatever the traffic needs;
 #   `extra_buffer`'s branch points add under 0.002, and int8 states change nothing,
 #   because its KV pool, not its state pool, is what runs out (next deep dive).
 # - **The clairvoyant cache** is far above every online policy where memory is scarce and
