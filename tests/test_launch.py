@@ -122,7 +122,7 @@ def test_the_colab_setup_cell_runs_in_a_fresh_clone(tmp_path):
 
 # Calls that start a thread or a process. kimilab.parallel's pool is not one: it runs its jobs in this
 # process where processes cannot start.
-_STARTERS = {"run_local", "Thread", "Popen", "ProcessPoolExecutor", "Pool"}
+_STARTERS = {"run_local", "Thread", "Popen", "ProcessPoolExecutor", "ThreadPoolExecutor", "Pool"}
 
 
 def _called_names(node: ast.AST) -> set[str]:
