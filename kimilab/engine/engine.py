@@ -423,8 +423,14 @@ class Engine(DecodeClock):
                 self.executor.drop(live)
             live.lose()
         self.alive = False
-        self.memory = None
+        self.close()
         return lost
+
+    def close(self) -> None:
+        """Done with this engine: free its pool and caches now (``InstanceMemory.close``); results stay."""
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
 
     def check_no_leak(self) -> None:
         """After the last request: nothing pinned, every used page belongs to a cache."""

@@ -12,6 +12,8 @@ pages it was left with, so the isolation invariant can be checked.
 
 from __future__ import annotations
 
+import weakref
+
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment
 from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
@@ -60,7 +62,8 @@ class InstanceMemory:
         cache = self.caches.get(tenant)
         if cache is None:
             cache = self.caches[tenant] = self._new_cache()
-            cache.tree.reclaim = lambda n, t=tenant: self.reclaim(t, n)
+            me = weakref.ref(self)  # not self: the tree would hold this memory in a cycle (see HybridPrefixCache)
+            cache.tree.reclaim = lambda n, t=tenant: me().reclaim(t, n)
             self.reserved.setdefault(tenant, 0)
         return cache
 
@@ -119,6 +122,11 @@ class InstanceMemory:
         if self.quotas is None:
             return {"*": self._pages(self._shared)}
         return {t: self._pages(c) for t, c in self.caches.items()}
+
+    def close(self) -> None:
+        """Done with this memory: close its caches (freed at once when dropped, see ``HybridPrefixCache.close``)."""
+        for cache in self.all_caches():
+            cache.close()
 
     def all_caches(self) -> list[HybridPrefixCache]:
         return [self._shared] if self.quotas is None else list(self.caches.values())

@@ -336,8 +336,14 @@ class ReferenceEngine:
                 self.executor.drop(live)
             live.lose()
         self.alive = False
-        self.memory = None
+        self.close()
         return lost
+
+    def close(self) -> None:
+        """Done: unlink the caches' trees so they are freed as soon as they are dropped."""
+        if self.memory is not None:
+            self.memory.close()
+            self.memory = None
 
     def check_no_leak(self) -> None:
         """After the last request: nothing pinned, every used page belongs to a cache."""

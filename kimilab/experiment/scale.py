@@ -237,9 +237,9 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
     t0, per, results = time.perf_counter(), [], []
     for k in range(check_int("orders", orders, 1)):
         def run(n, k=k):
-            fleet = Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
-                          block_size=BLOCK)
-            return run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=k)
+            with Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
+                       block_size=BLOCK) as fleet:
+                return run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=k)
 
         scan = scan_capacity(run, slo, session_grid(start, rel_tol), start=start, confirm=confirm)
         res, extra, p = scan.result, {}, None

@@ -15,6 +15,7 @@ policy (:mod:`kimilab.prefix.policies`) that stores many states caches fewer blo
 from __future__ import annotations
 
 import heapq
+import weakref
 from dataclasses import dataclass
 
 from kimilab.config import ModelConfig
@@ -114,11 +115,15 @@ class HybridPrefixCache:
         self.policy = policy
         self.costs = costs
         self.checkpoint_pages = 0 if policy.free_states else -(-costs.checkpoint_bytes // pool.page_bytes)
+        # The tree's hooks reach this cache through a weak reference. A strong one would be a reference
+        # cycle, and a dropped cache (its whole tree) would wait for the cyclic collector, which finds it
+        # only by walking every live object: seconds per fleet run (kimilab.gcpause).
+        me = weakref.ref(self)
         self.tree = RadixTree(pool, block_size, partial_blocks=partial_blocks, allocs_per_node=allocs_per_node,
-                              on_evict=self._on_evict, reclaim=self.reclaim)
-        self.tree.priority_of = lambda node: policy.kv_priority(self, node.last_access, node.end,
+                              on_evict=lambda node: me()._on_evict(node), reclaim=lambda need: me().reclaim(need))
+        self.tree.priority_of = lambda node: policy.kv_priority(me(), node.last_access, node.end,
                                                                 node.payload is not None)
-        self.tree.now = lambda: policy.now(self)
+        self.tree.now = lambda: policy.now(me())
         self._checkpoint_key = ("checkpoint", self.checkpoint_pages, costs.checkpoint_bytes)
         self._heap: list = []
         self._serial = 0
@@ -371,6 +376,11 @@ class HybridPrefixCache:
         outcome, path, _, _ = self.begin(keys, n_tokens, tokens=tokens)
         self.finish(path)
         return outcome
+
+    def close(self) -> None:
+        """Done with this cache: unlink its tree so it is freed at once when dropped (:meth:`RadixTree.close`)."""
+        self.tree.close()
+        self._heap = []
 
     def evict_all(self) -> None:
         """Drop every unpinned checkpoint and block (what is pinned stays)."""
