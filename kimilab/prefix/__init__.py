@@ -10,6 +10,8 @@
   pluggable eviction: ``marconi`` (as published), ``oracle`` (clairvoyant), SGLang's LRU lists
 * ``precision`` cheaper checkpoints (bf16, SGLang's int8) and ``fidelity``: what a hit from one costs
 * ``offload``   a DRAM/SSD tier: load time against recompute
+* ``host``      TieredPrefixCache: the block tree over host DRAM that keeps what HBM evicts (import it
+  from ``kimilab.prefix.host``)
 * ``tensors``   the same cache holding the runnable model's real KV and states
 """
 

@@ -1,0 +1,292 @@
+"""A host-memory tier under the hybrid prefix cache: what HBM evicts is kept in DRAM and loaded back.
+
+Production caches do not throw an evicted block away. SGLang's HiCache keeps a host pool beside
+the GPU pool (``--hicache-ratio``, ``--hicache-size``), and Mooncake Store and LMCache keep KV
+in the DRAM of the cluster. For a hybrid model a hit needs both kinds of memory: the KV of every
+block up to a position, and a state checkpoint exactly there (:mod:`kimilab.prefix.hybrid`).
+So the tier keeps both.
+
+:class:`HostTier` is the DRAM: copies of KV blocks and checkpoints, keyed by their place in
+the prefix tree, bounded in bytes and evicted least recently used first. :class:`TieredPrefixCache`
+is a :class:`~kimilab.prefix.hybrid.HybridPrefixCache` whose evictions are written to the tier
+(a block or a checkpoint that was computed; one in flight has nothing to copy). When a request
+arrives, every position where a state is cached, in HBM or in the tier, with the KV of every block
+before it in one of the two, is a candidate. Each is priced: the seconds of prefill it saves
+(:func:`kimilab.costs.prefill_seconds_saved`) less the seconds to load what is only on the host
+(bytes over the link, plus the link's latency once). The best one is loaded into HBM, and the
+request then goes through the HBM cache as usual and finds it there. If none beats what HBM
+alone gives, nothing is loaded. The tier is inclusive: a loaded copy stays on the host too.
+
+Two checks hold it exact (``tests/test_host_tier.py``). A tier of zero bytes, or on a link too
+slow ever to pay, gives every request the same outcome as the cache without it. An unbounded tier
+on a free link gives every request the usable hit of an HBM cache with no limit, for the
+policies whose checkpoint positions depend only on the prompt and its usable hit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from functools import lru_cache
+
+from kimilab.config import ModelConfig
+from kimilab.costs import Deployment, prefill_seconds
+from kimilab.prefix.hybrid import HybridPrefixCache, budget_pages, shared_costs
+from kimilab.prefix.offload import HOST_DRAM, Tier
+from kimilab.pool.pages import PagePool
+from kimilab.prefix.policies import Policy
+from kimilab.validate import check_float, check_int
+
+__all__ = ["HostTier", "TieredPrefixCache"]
+
+KV, STATE = 0, 1  # the two kinds of entry a host node holds
+
+
+class _HostNode:
+    """One block's place in the host's own prefix tree: which of its KV and its checkpoint are held."""
+
+    __slots__ = ("key", "parent", "children", "held")
+
+    def __init__(self, key, parent):
+        self.key, self.parent, self.children = key, parent, {}
+        self.held = [False, False]  # [KV, STATE]
+
+
+class HostTier:
+    """Host DRAM copies of KV blocks and state checkpoints: ``capacity_bytes`` per device, least
+    recently used out first, reached over ``link`` (:class:`kimilab.prefix.offload.Tier`)."""
+
+    def __init__(self, capacity_bytes: float, link: Tier = HOST_DRAM):
+        self.capacity_bytes = check_float("capacity_bytes", capacity_bytes, minimum=0.0, finite=False)
+        if not isinstance(link, Tier):
+            raise ValueError(f"link: expected a kimilab.prefix.offload.Tier, got {type(link).__name__}")
+        self.link = link
+        self.root = _HostNode(None, None)
+        self._lru: OrderedDict = OrderedDict()  # (node, kind) -> bytes, oldest first
+        self._pinned: set = set()  # entries a load in progress reads
+        self.used_bytes = 0
+        self.written_bytes = self.evicted_bytes = 0
+        self.writes = self.evictions = 0
+
+    def node(self, keys, create: bool = False):
+        """The host node at the end of the block keys ``keys`` (None if absent and not ``create``)."""
+        node = self.root
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                if not create:
+                    return None
+                child = node.children[key] = _HostNode(key, node)
+            node = child
+        return node
+
+    def put(self, keys, kind: int, nbytes: int) -> None:
+        """Copy one entry (the block at the end of ``keys``, its KV or its state) to the host; a copy
+        already there is only refreshed. An entry larger than the whole tier is not kept."""
+        if nbytes > self.capacity_bytes:
+            return
+        node = self.node(keys)
+        if node is not None and node.held[kind]:
+            self._lru.move_to_end((node, kind))
+            return
+        while self.used_bytes + nbytes > self.capacity_bytes:  # room first: it may prune this node's path
+            if not self._drop_oldest():
+                return  # all that is left is being loaded: this copy is not kept
+        node = self.node(keys, create=True)
+        node.held[kind] = True
+        self._lru[(node, kind)] = nbytes
+        self.used_bytes += nbytes
+        self.written_bytes += nbytes
+        self.writes += 1
+
+    def pin(self, entries) -> None:
+        """Entries ``(node, kind)`` about to be loaded: the most recently used, and kept until :meth:`unpin`
+        (the room a load makes in HBM is written here, and must not push out what is being loaded)."""
+        for entry in entries:
+            self._lru.move_to_end(entry)
+        self._pinned.update(entries)
+
+    def unpin(self) -> None:
+        self._pinned.clear()
+
+    def _drop_oldest(self) -> bool:
+        """Evict the least recently used entry not being loaded; False if there is none."""
+        entry = next((e for e in self._lru if e not in self._pinned), None)
+        if entry is None:
+            return False
+        node, kind = entry
+        nbytes = self._lru.pop(entry)
+        node.held[kind] = False
+        self.used_bytes -= nbytes
+        self.evicted_bytes += nbytes
+        self.evictions += 1
+        while node.parent is not None and not node.children and not any(node.held):  # prune empty leaves
+            del node.parent.children[node.key]
+            node = node.parent
+        return True
+
+    def check_invariants(self) -> None:
+        """Bytes held == the sum of the LRU's entries <= capacity; every flag set has its entry."""
+        assert self.used_bytes == sum(self._lru.values()) <= self.capacity_bytes
+        stack, flagged = [self.root], 0
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for kind in (KV, STATE):
+                if node.held[kind]:
+                    flagged += 1
+                    assert (node, kind) in self._lru
+            assert node is self.root or node.children or any(node.held), "an empty host node was kept"
+        assert flagged == len(self._lru)
+
+
+@lru_cache(maxsize=1 << 16)
+def _prefill_s(config: ModelConfig, deployment: Deployment, n_new: int, n_cached: int) -> float:
+    return prefill_seconds(config, deployment, n_new, n_cached)
+
+
+class TieredPrefixCache(HybridPrefixCache):
+    """A hybrid prefix cache over HBM with a :class:`HostTier` below it (whole blocks keyed by hash ids).
+
+    Counters: ``loads`` (requests that loaded something), ``loaded_blocks``, ``loaded_checkpoints``,
+    ``loaded_bytes``, ``load_seconds`` (their link time), ``host_tokens`` (usable tokens gained over
+    what HBM alone held) and ``saved_seconds`` (prefill seconds those tokens saved, less the loads).
+    """
+
+    def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs, host: HostTier, **kwargs):
+        if not isinstance(host, HostTier):
+            raise ValueError(f"host: expected a kimilab.prefix.host.HostTier, got {type(host).__name__}")
+        if kwargs.get("partial_blocks") or kwargs.get("allocs_per_node", 1) != 1:
+            raise ValueError("partial_blocks, allocs_per_node: the host tier keeps whole blocks, one page each")
+        super().__init__(pool, block_size, policy, costs, **kwargs)
+        self.host = host
+        self.loads = self.loaded_blocks = self.loaded_checkpoints = self.loaded_bytes = self.host_tokens = 0
+        self.load_seconds = self.saved_seconds = 0.0
+
+    @classmethod
+    def for_budget(cls, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
+                   capacity_tokens: int | None, host_bytes: float = math.inf, link: Tier = HOST_DRAM,
+                   partial_blocks: bool = False) -> "TieredPrefixCache":
+        """As :meth:`HybridPrefixCache.for_budget`, over a host tier of ``host_bytes`` per device on ``link``."""
+        block_size = check_int("block_size", block_size, 1, unit="tokens")
+        capacity_tokens, n_pages = budget_pages(capacity_tokens, block_size)
+        costs = shared_costs(config, deployment)
+        pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token, backed=False, name=f"hbm-{policy.name}")
+        cache = cls(pool, block_size, policy, costs, HostTier(host_bytes, link), partial_blocks=partial_blocks)
+        cache.capacity_tokens = capacity_tokens
+        return cache
+
+    # ----- writes: what HBM evicts ------------------------------------------
+    @staticmethod
+    def _keys_of(node) -> list:
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return keys[::-1]
+
+    def _on_evict(self, node) -> None:
+        if node.computed:
+            self.host.put(self._keys_of(node), KV, self.page_bytes)
+        super()._on_evict(node)
+
+    def _drop_checkpoint(self, node) -> None:
+        if node.payload.computed and self.checkpoint_pages:
+            self.host.put(self._keys_of(node), STATE, self.costs.checkpoint_bytes)
+        super()._drop_checkpoint(node)
+
+    # ----- reads: load before the HBM cache sees the request ------------------
+    def begin(self, keys=None, n_tokens=None, *, tokens=None):
+        """Load the best-paying host hit into HBM, then :meth:`HybridPrefixCache.begin`."""
+        if tokens is not None:
+            raise ValueError("tokens: the host tier keys blocks by hash ids; pass keys and n_tokens")
+        if keys is not None and n_tokens is not None:
+            self._load(keys, int(n_tokens))
+        return super().begin(keys, n_tokens)
+
+    def _candidates(self, keys, n: int) -> tuple:
+        """``(hbm_usable, [(end, host_blocks, state_on_host, host node), ...])`` over the prompt's whole
+        blocks: each position past HBM's own usable hit where a state and all the KV before it are cached
+        in HBM or on the host (under a policy with free states, pure attention, every block end)."""
+        bs, limit, free = self.block_size, n - 1, self.policy.free_states
+        hbm, host = self.tree.root, self.host.root
+        hbm_usable, only_host, out = 0, 0, []
+        for j in range(min(n // bs, len(keys))):
+            key = keys[j]
+            hbm = None if hbm is None else hbm.children.get(key)
+            host = None if host is None else host.children.get(key)
+            if hbm is not None and not hbm.computed:
+                break  # in flight: its KV is not there yet, in HBM or anywhere
+            if hbm is None and (host is None or not host.held[KV]):
+                break  # the KV stops here: nothing deeper can be used
+            only_host += hbm is None
+            end = (j + 1) * bs
+            if end > limit:
+                break
+            ck = None if hbm is None else hbm.payload
+            if free or (ck is not None and ck.computed):
+                if only_host == 0:
+                    hbm_usable = end  # HBM alone has it all
+                else:
+                    out.append((end, only_host, False, host))
+            elif host is not None and host.held[STATE]:
+                out.append((end, only_host, True, host))
+        return hbm_usable, out
+
+    def _load(self, keys, n: int) -> None:
+        hbm_usable, candidates = self._candidates(keys, n)
+        if not candidates:
+            return
+        cfg, dep, link = self.costs.config, self.costs.deployment, self.host.link
+        full = _prefill_s(cfg, dep, n, 0)
+        base = full - _prefill_s(cfg, dep, n - hbm_usable, hbm_usable)
+        best, best_net = None, 0.0
+        for end, blocks, state, host_node in candidates:
+            nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if state else 0)
+            load = link.latency_s + nbytes / link.bandwidth
+            net = full - _prefill_s(cfg, dep, n - end, end) - base - load
+            if net >= best_net:  # the deepest of equals
+                best, best_net = (end, nbytes, load, state, host_node), net
+        if best is None:
+            return
+        end, _, _, state, host_node = best
+        depth = end // self.block_size
+        reads, node = [(host_node, STATE)] if state else [], self.host.root
+        for key in keys[:depth]:  # what is read from the host: refreshed there, and pinned while read
+            node = None if node is None else node.children.get(key)
+            if node is not None and node.held[KV]:
+                reads.append((node, KV))
+        self.host.pin(reads)
+        m, path, complete = self.tree.insert(keys[:depth], end, pin=True)
+        self.pages_admitted += len(path) - len(m.nodes)
+        tip, loaded_state = path[-1] if complete else None, False
+        if state and tip is not None and tip.payload is None and self._admit([tip]):
+            tip.payload.computed = True
+            self.loaded_checkpoints += 1
+            loaded_state = True
+        self.host.unpin()
+        self.tree.unpin(path)
+        self._requeue_checkpoints(path)
+        blocks = len(path) - len(m.nodes)
+        nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if loaded_state else 0)
+        self.loads += 1
+        self.loaded_blocks += blocks
+        self.loaded_bytes += nbytes
+        self.load_seconds += link.latency_s + nbytes / link.bandwidth
+        if complete and (self.policy.free_states or (tip.payload is not None and tip.payload.computed)):
+            self.host_tokens += end - hbm_usable
+            self.saved_seconds += best_net
+
+    def host_summary(self) -> dict:
+        """The tier's counters as one JSON-ready dict (bytes per device)."""
+        h = self.host
+        return {"host_capacity_bytes": h.capacity_bytes, "host_link": h.link.name, "host_used_bytes": h.used_bytes,
+                "host_written_bytes": h.written_bytes, "host_evicted_bytes": h.evicted_bytes,
+                "loads": self.loads, "loaded_blocks": self.loaded_blocks,
+                "loaded_checkpoints": self.loaded_checkpoints, "loaded_bytes": self.loaded_bytes,
+                "load_seconds": self.load_seconds, "host_tokens": self.host_tokens,
+                "saved_seconds": self.saved_seconds}
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        self.host.check_invariants()
