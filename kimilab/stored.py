@@ -9,7 +9,9 @@ simulator, other arguments, a missing file, ``KIMILAB_RECOMPUTE=1`` -- runs ``fn
 file. So a stored number is always one this code computes, and nbval still catches a change.
 
 ``check()`` (``python -m kimilab results --check``, run by CI on a clean clone) recomputes every
-stored result in a fresh process and fails if one differs: the file is a cache, never a source.
+stored result, each in a fresh process, and fails if one differs: the file is a cache, never a source.
+Restamping records the modules that one result's process loaded, so a result does not go stale
+when code it never ran changes.
 """
 
 from __future__ import annotations
@@ -159,28 +161,65 @@ def names() -> list[str]:
     return sorted(p.stem for p in RESULTS.glob("*.json"))
 
 
-def check(only=None, progress=None, restamp: bool = False) -> dict[str, list[str]]:
-    """Recompute each stored result (all, or ``only``) and return name -> its differences (empty: equal).
-    ``restamp``: where the recomputed result equals the file, mark the file current for this source (after a
-    change that should move no number, such as a refactor: proven equal rather than assumed)."""
-    out = {}
-    for i, name in enumerate(only or names(), 1):
-        rec = _load(name)
-        if rec is None:
-            out[name] = [f"data/results/{name}.json does not exist"]
-            continue
-        mod, qual = rec["fn"].split(":")
-        fn = importlib.import_module(mod)
-        for part in qual.split("."):
-            fn = getattr(fn, part)
+CHECK_TIMEOUT_S = 3600.0  # one result's recomputation; the longest (chapter 11's Part B) takes minutes
+
+
+def _recompute(name: str, restamp: bool) -> list[str]:
+    """Recompute one stored result in this process and compare it with its file. ``restamp``: an equal one is
+    marked current for this source, its sources the modules this process loaded for it (a fresh process, so
+    no other result's)."""
+    rec = _load(name)
+    if rec is None:
+        return [f"data/results/{name}.json does not exist"]
+    mod, qual = rec["fn"].split(":")
+    fn = importlib.import_module(mod)
+    for part in qual.split("."):
+        fn = getattr(fn, part)
+    diffs = differences(rec["result"], json.loads(json.dumps(_portable(fn(**rec["kwargs"])))))
+    if restamp and not diffs:
+        rec["sources"] = _loaded_sources()
+        rec["digest"] = digest(rec["sources"])
+        (RESULTS / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    return diffs
+
+
+def _child(argv: list[str]) -> None:
+    """``RESULTS_DIR NAME OUT [--restamp]``: :func:`_recompute` one result, its differences to OUT as JSON."""
+    global RESULTS
+    RESULTS = Path(argv[0])
+    Path(argv[2]).write_text(json.dumps(_recompute(argv[1], "--restamp" in argv[3:])))
+
+
+def check(only=None, progress=None, restamp: bool = False, jobs: int = 1,
+          timeout_s: float = CHECK_TIMEOUT_S) -> dict[str, list[str]]:
+    """Recompute each stored result (all, or ``only``), each in a fresh process, ``jobs`` at a time, and return
+    name -> its differences (empty: equal). ``restamp``: where the recomputed result equals the file, mark the file
+    current for this source (after a change that should move no number, such as a refactor: proven equal
+    rather than assumed). A result not recomputed within ``timeout_s`` seconds, or whose process fails, differs."""
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = list(only or names())
+
+    def one(item) -> list[str]:
+        i, name = item
         if progress:
-            progress(f"[{i}/{len(only or names())}] recomputing {name} ({rec['fn']})")
-        out[name] = differences(rec["result"], json.loads(json.dumps(_portable(fn(**rec["kwargs"])))))
-        if restamp and not out[name]:
-            rec["sources"] = sorted(set(rec["sources"]) | set(_loaded_sources()))
-            rec["digest"] = digest(rec["sources"])
-            (RESULTS / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
-    return out
+            progress(f"[{i}/{len(todo)}] recomputing {name} ({(_load(name) or {}).get('fn', 'missing')})")
+        with tempfile.TemporaryDirectory(prefix="kimilab-check-") as tmp:
+            out = Path(tmp) / "differences.json"
+            code = "import sys; from kimilab.stored import _child; _child(sys.argv[1:])"
+            cmd = [sys.executable, "-c", code, str(RESULTS), name, str(out)] + (["--restamp"] if restamp else [])
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                return [f"{name}: not recomputed within {timeout_s:g} s"]
+            if proc.returncode != 0 or not out.exists():
+                return [f"{name}: its recomputation failed (exit status {proc.returncode}; the error is above)"]
+            return json.loads(out.read_text())
+
+    with ThreadPoolExecutor(max_workers=max(1, int(jobs))) as pool:
+        return dict(zip(todo, pool.map(one, enumerate(todo, 1))))
 
 
 def add_arguments(parser) -> None:
@@ -190,6 +229,8 @@ def add_arguments(parser) -> None:
                         help="recompute each stored result and exit 1 if any differs from its file")
     parser.add_argument("--restamp", action="store_true",
                         help="with --check: mark each result that recomputes the same as current for this source")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="with --check: results recomputed at once, each in its own process")
 
 
 def run(args, parser) -> int:
@@ -204,8 +245,10 @@ def run(args, parser) -> int:
         return 0
     if args.restamp and not args.check:
         parser.error("--restamp: only with --check (a result is marked current only once it recomputes the same)")
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs}: expected at least 1")
     got = check(args.names or None, progress=lambda line: print(line, file=sys.stderr, flush=True),
-                restamp=args.restamp)
+                restamp=args.restamp, jobs=args.jobs)
     for name, diffs in got.items():
         print(f"{name}: " + ("same" if not diffs else f"{len(diffs)} differences, first: {diffs[0]}"))
     return 1 if any(got.values()) else 0
