@@ -45,14 +45,15 @@ grade: $(STAMP)
 	$(BIN)/python -m kimilab grade $(DIR) --out $(or $(OUT),grades.csv) $(if $(GRADE_JOBS),--jobs $(GRADE_JOBS))
 
 # The book's experiment (chapter 11): results/part_a.{json,md} (reduced model, CPU) and
-# results/part_b.{json,md} (48B sizes, fleet simulator on the real trace).
+# results/part_b.{json,md} (48B sizes, fleet simulator on the real traces), at the size chapter 11
+# stores (about two minutes on 2 cores; ARGS="--scale full" runs every variant on the whole hour).
 experiment: $(STAMP)
-	$(BIN)/python -m kimilab experiment --out results
+	$(BIN)/python -m kimilab experiment --out results $(ARGS)
 
 # The chapters' long computations are stored in data/results/ (kimilab/stored.py): recompute every one
 # from this source and fail if any number differs from its file (CI runs it; minutes).
 results: $(STAMP)
-	$(BIN)/python -m kimilab results --check
+	$(BIN)/python -m kimilab results --check --jobs 2
 
 # The linter over the package, the tests, the benchmarks and the chapters' sources (pyproject.toml
 # [tool.ruff] says which rules and why); CI runs it before the tests.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Sequence
 
@@ -53,6 +54,17 @@ def _capacity(text: str) -> int | None:
     if text.strip().lower() in _FLOAT_INF:
         return None
     return positive_int_arg(text)
+
+
+def _host_gb(text: str) -> float:
+    """GB of host DRAM per device: a number >= 0, or ``inf`` for no limit."""
+    if text.strip().lower() in _FLOAT_INF:
+        return math.inf
+    return nonnegative_float_arg(text)
+
+
+HOST_GB_HELP = ("GB of host DRAM per device under the prefix cache: what HBM evicts (KV blocks and states) is kept "
+                "there and loaded back when the load beats recomputing (kimilab.prefix.host; 'inf' for no limit)")
 
 
 def _nonnegative_int(text: str) -> int:
@@ -130,6 +142,8 @@ def _parser() -> _Parser:
                    help="sessions only: the seed of their order and start times (if not given, 0)")
     p.add_argument("--partial-blocks", action="store_true",
                    help="also cache a prompt's trailing partial block (the checkpoint policies only)")
+    p.add_argument("--host-gb", type=_host_gb, default=None, metavar="GB|inf",
+                   help=HOST_GB_HELP + "; the checkpoint policies only, whole blocks")
     _add_deployment(p)
     p.set_defaults(func=command.run, parser=p)
 
@@ -210,6 +224,8 @@ def _parser() -> _Parser:
     f.add_argument("--rate-scale", type=positive_float_arg, default=1.0, help="divide arrival times by X")
     f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
                    help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
+    f.add_argument("--host-gb", type=_host_gb, default=None, metavar="GB|inf",
+                   help=HOST_GB_HELP + "; each step waits for the loads admitted before it")
     _add_deployment(f)
     f.set_defaults(func=_fleet, parser=f)
     c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
@@ -273,6 +289,8 @@ def _fleet(args, parser) -> int:
             parser.error(f"--fail {i}@...: expected an instance below --instances={args.instances}")
     if args.capacity_tokens is not None and args.capacity_tokens < 512:
         parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one 512-token block")
+    if args.host_gb is not None and args.isolation == "quota":
+        parser.error("--host-gb: a host tier sits under the one shared cache; expected --isolation none with it")
     try:
         requests = load_tenants(args.traces)
     except (ValueError, OSError) as err:
@@ -283,7 +301,8 @@ def _fleet(args, parser) -> int:
         result = run_fleet(requests, preset(args.model), deployment=deployment(args.deployment),
                            instances=args.instances, router=args.router,
                            capacity_tokens=args.capacity_tokens, isolation=args.isolation,
-                           rate_scale=args.rate_scale, fails=args.fail)
+                           rate_scale=args.rate_scale, fails=args.fail,
+                           **({} if args.host_gb is None else {"host_bytes": args.host_gb * 1e9}))
     except (ValueError, RuntimeError) as err:
         parser.error(str(err))
     print(json.dumps(result.summary()))

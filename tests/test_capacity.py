@@ -206,4 +206,5 @@ def test_capacity_help_states_the_defaults_and_experiment_takes_orders(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["experiment", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--orders ORDERS, --seeds ORDERS" in text and "mean, min and max (default: 5)" in text
+    assert "--orders ORDERS, --seeds ORDERS" in text and "mean, min and max (both scales: 5)" in text
+    assert "--scale {book,full}" in text and "(default: book)" in text

@@ -414,3 +414,34 @@ def test_prefix_auto_runs_the_policy_the_map_picks_and_says_why(conversation, ca
         with pytest.raises(SystemExit) as exc:
             main(["prefix", str(conversation), "--policy", "auto", "--capacity-tokens", "100000", *flag])
         assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
+
+
+# ----- issue 38: a host-memory tier under the cache, from the command line -----
+
+
+def test_prefix_host_gb_adds_a_tier_that_only_adds_hits(conversation, capsys):
+    """1 GB per device of the 300 requests evicts; host DRAM under it gives back hits, and says what it moved.
+    A zero-byte tier is the cache without one; a policy off the block tree is refused in one line."""
+    base = ["prefix", str(conversation), "--policy", "ends", "--capacity-tokens", str(10**9 // 8064)]
+    plain = run_json(capsys, base)
+    empty = run_json(capsys, base + ["--host-gb", "0"])
+    tier = run_json(capsys, base + ["--host-gb", "inf"])
+    assert empty["usable_hit_tokens"] == plain["usable_hit_tokens"] and empty["host_tier"]["loads"] == 0
+    assert tier["usable_hit_tokens"] > plain["usable_hit_tokens"] and tier["host_tier"]["loads"] > 0
+    assert tier["host_tier"]["host_capacity_bytes"] is None and tier["host_tier"]["load_seconds"] > 0
+    with pytest.raises(SystemExit) as exc:
+        main(base[:3] + ["marconi"] + base[4:] + ["--host-gb", "10"])
+    assert exc.value.code == 2 and "--host-gb" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(base + ["--host-gb", "-1"])
+    assert exc.value.code == 2
+
+
+def test_fleet_host_gb_serves_with_a_tier_and_refuses_it_with_quotas(data_dir):
+    args = ("fleet", data_dir / "chat.jsonl", "--instances", "1", "--router", "least-loaded",
+            "--capacity-tokens", "200000")
+    plain, tier = _run(*args), _run(*args, "--host-gb", "160")
+    assert plain.returncode == tier.returncode == 0, tier.stderr
+    a, b = json.loads(plain.stdout), json.loads(tier.stdout)
+    assert a["finished"] == b["finished"] == a["requests"] and b["usable_hit_rate"] >= a["usable_hit_rate"]
+    _one_line_rc2(_run(*args, "--host-gb", "1", "--isolation", "quota"), "--host-gb", "--isolation")

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from fuzzing import examples
 
 from kimilab.config import kimi_linear_48b
-from kimilab.costs import ONE_H200
+from kimilab.costs import ONE_H200, kv_bytes_per_token
 from kimilab.engine import Engine, FairQueue, Live
 from kimilab.fleet import Fleet, make_router, run_fleet
 from kimilab.fleet.tenants import merge_tenants
@@ -571,3 +571,43 @@ def test_the_engine_records_every_gap_between_tokens():
     assert res.tbt_histogram().max() == pytest.approx(mixed, rel=0.01)
     assert res.tpot_s[res.request_ids == 0][0] < mixed / 2  # the mean hides the stalls
 
+
+
+PAGE_BYTES = B * kv_bytes_per_token(kimi_linear_48b, ONE_H200)  # one block of KV on one device
+
+
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n_inst=st.integers(1, 2), router=st.sampled_from(
+    ["least-loaded", "prefix-affinity", "state-aware"]), fail=st.booleans(), capacity_blocks=st.integers(40, 160),
+    host_blocks=st.sampled_from([0, 5, 40, None]), budget=st.sampled_from([300, 2048]),
+    policy=st.sampled_from(["dual", "ends", "kv-only"]), gap_ms=st.sampled_from([2, 15, 60]))
+def test_with_a_host_tier_the_engine_equals_its_slow_twin(seed, n_inst, router, fail, capacity_blocks, host_blocks,
+                                                          budget, policy, gap_ms):
+    """The host tier (kimilab.prefix.host) under both engines: every decision alike, each step that
+    follows a load longer by its link time in both, and no page leaked; ``None``: an unbounded tier."""
+    reqs = _trace(seed, 50, gap_ms=gap_ms, max_out=1200)
+    fails = [(0, 0.05)] if fail and n_inst > 1 else []
+    host = float("inf") if host_blocks is None else host_blocks * PAGE_BYTES
+    fast, slow = _twins(reqs, n_inst=n_inst, router=router, fails=fails, capacity_blocks=capacity_blocks,
+                        token_budget=budget, policy=policy, host_bytes=host)
+    _assert_same(fast, slow)
+    _check_gaps(fast[1], fast[0])
+    _fleet_ok(fast[0])
+    _fleet_ok(slow[0])
+
+
+def test_an_empty_host_tier_changes_nothing_and_a_large_one_loads_and_waits():
+    """A zero-byte tier: the same run as no tier, step for step. An unbounded one on traffic that comes
+    back to evicted prefixes: loads happen, more of the prompts are served from cache, and every second
+    of link time the cache counted was charged to a step (the twin test checks where)."""
+    reqs = _trace(7, 60, gap_ms=60, max_out=300)
+    (none, _, _), = _twins(reqs, classes=(Engine,), capacity_blocks=45)
+    (empty, _, _), = _twins(reqs, classes=(Engine,), capacity_blocks=45, host_bytes=0.0)
+    assert [e.steps for e in none.instances] == [e.steps for e in empty.instances]
+    assert [e.finished for e in none.instances] == [e.finished for e in empty.instances]
+    (big, result, _), = _twins(reqs, classes=(Engine,), capacity_blocks=45, host_bytes=float("inf"))
+    cache = big.instances[0].memory.cache("a")
+    assert cache.loads > 0 and cache.host_tokens > 0
+    served = sum(f.served for e in none.instances for f in e.finished)
+    assert sum(f.served for e in big.instances for f in e.finished) > served
+    assert big.instances[0].memory._link_charged == pytest.approx(cache.load_seconds, rel=1e-12)  # all charged

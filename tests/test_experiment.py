@@ -176,8 +176,9 @@ def test_part_b_bad_arguments_are_named(tmp_path):
 def test_experiment_cli_part_b(tmp_path, capsys):
     from kimilab.__main__ import main
 
-    argv = ["experiment", "--part", "b", "--requests", "120", "--instances", "1", "--agent-instances", "1",
-            "--agent-minutes", "3", "--seeds", "1", "--workers", "1", "--out", str(tmp_path)]
+    argv = ["experiment", "--part", "b", "--scale", "full", "--requests", "120", "--instances", "1",
+            "--agent-instances", "1", "--agent-minutes", "3", "--seeds", "1", "--workers", "1",
+            "--out", str(tmp_path)]
     from unittest import mock
 
     import kimilab.experiment.scale as scale
@@ -187,7 +188,8 @@ def test_experiment_cli_part_b(tmp_path, capsys):
         main(argv)
     assert (tmp_path / "part_b.json").is_file() and not (tmp_path / "part_a.json").exists()
     assert "| variant |" in capsys.readouterr().out
-    for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"], ["--seeds", "0"]):
+    for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"], ["--seeds", "0"],
+                ["--scale", "huge"], ["--host-ratio", "-1"]):
         with pytest.raises(SystemExit) as exc:
             main(["experiment", *bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
@@ -237,3 +239,16 @@ def test_tune_finds_the_best_setting_on_a_synthetic_measure():
         tune(lambda c: "fast", budgets=(2048,), seqs=(8,))
     with pytest.raises(ValueError, match="measure"):
         tune(None)
+
+
+def test_the_experiments_sizes_are_the_chapters():
+    """``make experiment``'s default Part B is the run chapter 11 stores (so its numbers are the book's);
+    options change one size of a scale; an unknown scale names itself."""
+    from kimilab.experiment.results import part_b_arguments
+
+    book = part_b_arguments("book")
+    assert (book["instances"], book["n_requests"], book["agent_duration_s"], book["orders"]) == (1, 2400, 240.0, 5)
+    assert len(book["variants"]) == 5 and book["tune"] is not None
+    assert part_b_arguments("full", instances=2)["instances"] == 2 and part_b_arguments("full")["variants"] is None
+    with pytest.raises(ValueError, match="scale"):
+        part_b_arguments("huge")

@@ -5,7 +5,9 @@ Without isolation every tenant shares one :class:`~kimilab.prefix.HybridPrefixCa
 tenant gets its own cache on the same pool (no prefix crosses tenants) and a
 reserved share of the pool's pages: when a tenant needs memory, the caches of
 tenants above their reserved share are evicted first (most over first), then its
-own; another tenant's cache is never evicted below its share on its behalf.
+own; another tenant's cache is never evicted below its share on its behalf. With
+``host_bytes`` the shared cache is a :class:`~kimilab.prefix.host.TieredPrefixCache`: what
+HBM evicts waits in host DRAM, and the engine charges the link time of each load.
 ``foreign_evictions`` records each page count taken from another tenant, and the
 pages it was left with, so the isolation invariant can be checked.
 """
@@ -18,7 +20,9 @@ from kimilab.config import ModelConfig
 from kimilab.costs import Deployment
 from kimilab.pool.pages import UNBOUNDED_PAGES, PagePool
 from kimilab.prefix import HybridPrefixCache, make_policy
+from kimilab.prefix.host import HostTier, TieredPrefixCache
 from kimilab.prefix.hybrid import shared_costs
+from kimilab.prefix.offload import HOST_DRAM, Tier
 
 __all__ = ["InstanceMemory"]
 
@@ -31,7 +35,10 @@ class InstanceMemory:
     """
 
     def __init__(self, config: ModelConfig, *, deployment: Deployment, block_size: int = 512,
-                 capacity_tokens: int | None, policy: str = "dual", quotas: dict[str, float] | None = None):
+                 capacity_tokens: int | None, policy: str = "dual", quotas: dict[str, float] | None = None,
+                 host_bytes: float | None = None, host_link: Tier = HOST_DRAM):
+        if host_bytes is not None and quotas:
+            raise ValueError("host_bytes: a host tier sits under the one shared cache; expected no quotas with it")
         if not config.kda_layers and not make_policy(policy).free_states:
             raise ValueError(f"policy={policy!r} checkpoints KDA states, but config={config.name!r} has no KDA "
                              f"layer: use 'kv-only' (every cached token is usable)")
@@ -42,6 +49,8 @@ class InstanceMemory:
         self.costs = costs
         self.state_pages = -(-costs.checkpoint_bytes // self.pool.page_bytes)  # a live request's KDA + conv states
         self.quotas = dict(quotas) if quotas else None
+        self.host = None if host_bytes is None else HostTier(host_bytes, host_link)  # checks its arguments
+        self._link_charged = 0.0
         self.caches: dict[str, HybridPrefixCache] = {}
         self.reserved: dict[str, int] = {}
         self.foreign_evictions: list[tuple[str, str, int, int]] = []  # (for, from, pages before, after)
@@ -52,8 +61,17 @@ class InstanceMemory:
                 self.reserved[tenant] = int(share * min(n_pages, UNBOUNDED_PAGES))
 
     def _new_cache(self) -> HybridPrefixCache:
-        cache = HybridPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs)
-        return cache
+        if self.host is not None:
+            return TieredPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs, self.host)
+        return HybridPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs)
+
+    def take_link_seconds(self) -> float:
+        """Seconds of host-tier loads since the last call (0 without a tier): what the next step waits for."""
+        if self.host is None:
+            return 0.0
+        total = self._shared.load_seconds
+        new, self._link_charged = total - self._link_charged, total
+        return new
 
     def cache(self, tenant: str) -> HybridPrefixCache:
         """The prefix cache a tenant's requests read and fill."""

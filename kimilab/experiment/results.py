@@ -5,10 +5,12 @@
 ``results/part_a.json`` -- the configuration, the package version, and one row per
 (workload, component) -- and ``results/part_a.md``, the table a reader remembers:
 what each component saves on the second request and what it costs. Then Part B
-(:mod:`kimilab.experiment.scale`): every variant's goodput and dollars at an SLO on the
-whole real conversation trace and the real agent sessions, ``results/part_b.json`` and
-``results/part_b.md`` (``--part a|b|all``). Everything in the files is deterministic except the wall-clock
-seconds, which say so in their names.
+(:mod:`kimilab.experiment.scale`): each variant's goodput and dollars at an SLO on the
+real conversation trace and the real agent sessions, ``results/part_b.json`` and
+``results/part_b.md`` (``--part a|b|all``). By default Part B runs at the size chapter 11
+stores and shows (``--scale book``, the same numbers, under two minutes on 2 cores);
+``--scale full`` runs every variant on the whole hour. Everything in the files is
+deterministic except the wall-clock seconds, which say so in their names.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from kimilab.experiment.second import CONFIGS, second_request, sessions
 from kimilab.model import Model
 from kimilab.validate import HelpWithDefaults, check_int, nonnegative_float_arg, positive_int_arg, writable_dir
 
-__all__ = ["WORKLOADS", "PARTS", "TUNE_CHOICES", "tune_grid", "run_part_a", "part_a_table", "add_arguments", "run", "main"]
+__all__ = ["WORKLOADS", "PARTS", "SCALES", "TUNE_CHOICES", "tune_grid", "part_b_arguments", "run_part_a", "part_a_table",
+           "add_arguments", "run", "main"]
 
 WORKLOADS = ("agent", "chat")
 
@@ -84,6 +87,35 @@ def part_a_table(result: dict) -> str:
 PARTS = ("a", "b", "all")
 
 
+def _scales() -> dict:
+    """Part B's sizes, by name (``--scale``): ``book``, what chapter 11 stores and shows, and ``full``."""
+    from kimilab.experiment.tuning import BUDGETS, SEQS
+    from kimilab.experiment.variants import BASELINE
+
+    chat = {"conversation": (BUDGETS, SEQS)}
+    return {
+        # the five variants chapter 11 compares, one instance, the chat trace's first 2,400 requests and
+        # 4-minute agent windows, five orders, each variant's chat scheduler tuned first
+        "book": dict(n_requests=2400, instances=1, agent_instances=1, agent_duration_s=240.0, orders=5, rel_tol=0.1,
+                     start_scale=4.0, variants=(BASELINE, "ends + state-aware", "none + prefix-affinity",
+                                                "all-MLA bf16 TP4", "all-MLA fp8 TP4"), tune=chat),
+        # every variant, the whole hour on 8 instances, agents on 4 in 15-minute windows (about an hour)
+        "full": dict(n_requests=None, instances=8, agent_instances=4, agent_duration_s=900.0, orders=5, rel_tol=0.1,
+                     start_scale=8.0, variants=None, tune=chat),
+    }
+
+
+SCALES = ("book", "full")
+
+
+def part_b_arguments(scale: str = "book", **changes) -> dict:
+    """:func:`kimilab.experiment.scale.run_part_b`'s keyword arguments at ``scale`` (``book``: chapter 11's
+    stored run, ``make experiment``'s default; ``full``: every variant on the whole hour), with ``changes``."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r}: expected one of {list(SCALES)}")
+    return dict(_scales()[scale], **changes)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kimilab experiment`` without the rest of the command line."""
     import argparse
@@ -111,11 +143,15 @@ def run(args) -> int:
 
         print(f"deployment: {deployment(args.deployment).describe()} (the hybrid's; all-MLA also under "
               f"DP-attention)")
-        result = run_part_b(args.out, deployment=args.deployment, n_requests=args.requests, instances=args.instances,
-                            agent_instances=args.agent_instances, agent_duration_s=60.0 * args.agent_minutes,
-                            orders=args.orders, price_per_hour=args.price, workers=args.workers,
-                            tune=tune_grid(args.tune),
-                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        given = {"n_requests": args.requests, "instances": args.instances, "agent_instances": args.agent_instances,
+                 "agent_duration_s": None if args.agent_minutes is None else 60.0 * args.agent_minutes,
+                 "orders": args.orders, "tune": None if args.tune is None else tune_grid(args.tune),
+                 "host_ratio": args.host_ratio}
+        kwargs = part_b_arguments(args.scale, **{k: v for k, v in given.items() if v is not None})
+        if args.tune == "none":
+            kwargs["tune"] = None
+        result = run_part_b(args.out, deployment=args.deployment, price_per_hour=args.price, workers=args.workers,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True), **kwargs)
         print(part_b_table(result))
         print(f"written: {Path(args.out) / 'part_b.json'}, {Path(args.out) / 'part_b.md'} "
               f"({result['run_wall_s']:.0f} s wall)")
@@ -146,24 +182,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sessions", type=positive_int_arg, default=2, help="part A: sessions per workload")
     parser.add_argument("--repeats", type=positive_int_arg, default=1,
                         help="part A: wall-clock repeats; the fastest is kept")
+    parser.add_argument("--scale", default="book", choices=SCALES,
+                        help="part B's size: book, chapter 11's five variants on one instance (the chat trace's first "
+                             "2,400 requests, 4-minute agent windows; the numbers the chapter stores); full, every "
+                             "variant on the whole hour on 8 instances, agents on 4 in 15-minute windows (about an "
+                             "hour on 2 cores). The options below change one size of it")
     parser.add_argument("--requests", type=positive_int_arg, default=None,
-                        help="part B: the conversation trace's first N requests (none given: all)")
-    parser.add_argument("--instances", type=positive_int_arg, default=8,
-                        help="part B: instances serving the conversation trace")
-    parser.add_argument("--agent-instances", type=positive_int_arg, default=4,
-                        help="part B: instances serving the agent sessions")
-    parser.add_argument("--agent-minutes", type=positive_int_arg, default=15,
-                        help="part B: simulated minutes of each closed-loop agent replay")
-    parser.add_argument("--orders", "--seeds", dest="orders", type=positive_int_arg, default=5,
+                        help="part B: the conversation trace's first N requests (book: 2,400; full: all)")
+    parser.add_argument("--instances", type=positive_int_arg, default=None,
+                        help="part B: instances serving the conversation trace (book: 1; full: 8)")
+    parser.add_argument("--agent-instances", type=positive_int_arg, default=None,
+                        help="part B: instances serving the agent sessions (book: 1; full: 4)")
+    parser.add_argument("--agent-minutes", type=positive_int_arg, default=None,
+                        help="part B: simulated minutes of each closed-loop agent replay (book: 4; full: 15)")
+    parser.add_argument("--orders", "--seeds", dest="orders", type=positive_int_arg, default=None,
                         help="part B: orders each goodput is measured in (agents: the sessions' order; chat: the "
-                             "gaps between arrivals, shuffled), reported as mean, min and max")
+                             "gaps between arrivals, shuffled), reported as mean, min and max (both scales: 5)")
+    parser.add_argument("--host-ratio", type=nonnegative_float_arg, default=None,
+                        help="part B: a host-memory tier of this many times each instance's HBM pool under its "
+                             "prefix cache (kimilab.prefix.host; SGLang's HiCache guide uses 2); none given: no tier")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,
                         help="part B: assumed dollars per accelerator-hour")
-    parser.add_argument("--tune", default="chat", choices=TUNE_CHOICES,
+    parser.add_argument("--tune", default=None, choices=TUNE_CHOICES,
                         help="part B: tune each variant's max_batched_tokens (2K-16K) and max_num_seqs on order 0 "
-                             "of this workload before measuring it (all: chat and agents, each on its own)")
+                             "of this workload before measuring it (all: chat and agents, each on its own; "
+                             "both scales: chat)")
     from kimilab.costs import DEFAULT_DEPLOYMENT, DEPLOYMENTS
 
     parser.add_argument("--deployment", default=DEFAULT_DEPLOYMENT.name, choices=sorted(DEPLOYMENTS),

@@ -134,6 +134,13 @@ def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | N
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
 
+def _tier(host_ratio: float | None, cfg, dep, cap: int) -> dict:
+    """The engines' keyword for a host tier of ``host_ratio`` times the HBM pool's bytes (:mod:`kimilab.prefix.host`)."""
+    if host_ratio is None:
+        return {}
+    return {"host_bytes": check_float("host_ratio", host_ratio, minimum=0.0) * cap * costs.kv_bytes_per_token(cfg, dep)}
+
+
 def _base_row(v: Variant, workload: str, dep, instances: int) -> dict:
     return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
             "router": v.router, "deployment": dep.name, "instances": instances,
@@ -181,11 +188,13 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
                          price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
                          orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
-                         scheduler: dict | None = None) -> dict:
+                         scheduler: dict | None = None, host_ratio: float | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
-    ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting)."""
+    ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
+    ``host_ratio``: as in :func:`agent_capacity`."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
+    tier = _tier(host_ratio, cfg, dep, cap)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -197,7 +206,8 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
 
         def run(scale, timed=timed):
             return run_fleet(timed, cfg, deployment=dep, instances=instances, router=v.router, capacity_tokens=cap,
-                             rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, timed, rate_scale=scale))
+                             rate_scale=scale, policy=policy, block_size=BLOCK, guard=SloGuard(slo, timed, rate_scale=scale),
+                             **tier)
 
         scan = scan_capacity(run, slo, rate_grid(start, rel_tol), start=start, confirm=confirm)
         res, extra, p = scan.result, {}, None
@@ -215,13 +225,15 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                    price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
                    part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
-                   scheduler: dict | None = None) -> dict:
+                   scheduler: dict | None = None, host_ratio: float | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
-    :func:`conversation_goodput`."""
+    :func:`conversation_goodput`; ``host_ratio``: a host tier of that many times the HBM pool's bytes
+    under each instance's cache (:mod:`kimilab.prefix.host`; None: none)."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
+    tier = _tier(host_ratio, cfg, dep, cap)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -238,7 +250,7 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
     for k in range(check_int("orders", orders, 1)):
         def run(n, k=k):
             with Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
-                       block_size=BLOCK) as fleet:
+                       block_size=BLOCK, **tier) as fleet:
                 return run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=k)
 
         scan = scan_capacity(run, slo, session_grid(start, rel_tol), start=start, confirm=confirm)
@@ -371,13 +383,15 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                seeds: int | None = None, price_per_hour: float = 2.0, rel_tol: float = 0.1, variants=None,
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
-               sessions: Path | str | None = None, tune: dict | None = None, progress=None) -> dict:
+               sessions: Path | str | None = None, tune: dict | None = None, host_ratio: float | None = None,
+               progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
-    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``progress(line)``
-    hears of each variant as it finishes (the CLI prints it to stderr)."""
+    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``: a
+    host tier under every instance's cache (:func:`agent_capacity`). ``progress(line)`` hears of each
+    variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
     instances = check_int("instances", instances, 1)
@@ -401,6 +415,9 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
         if w not in workloads or not isinstance(grid, (tuple, list)) or len(grid) != 2:
             raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
+    if host_ratio is not None:
+        for w in kw:
+            kw[w]["host_ratio"] = check_float("host_ratio", host_ratio, minimum=0.0)
     t0 = time.perf_counter()
     rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers, progress=progress)
     from kimilab.experiment.results import _version
@@ -415,6 +432,9 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}
+    if host_ratio is not None:
+        result["config"]["host_tier"] = (f"host DRAM of {host_ratio:g}x each instance's HBM pool under its prefix "
+                                         "cache (kimilab.prefix.host); each step waits for the loads before it")
     if out is not None:
         import json
 

@@ -11,11 +11,14 @@ the prefix tree, bounded in bytes and evicted least recently used first. :class:
 is a :class:`~kimilab.prefix.hybrid.HybridPrefixCache` whose evictions are written to the tier
 (a block or a checkpoint that was computed; one in flight has nothing to copy). When a request
 arrives, every position where a state is cached, in HBM or in the tier, with the KV of every block
-before it in one of the two, is a candidate. Each is priced: the seconds of prefill it saves
-(:func:`kimilab.costs.prefill_seconds_saved`) less the seconds to load what is only on the host
-(bytes over the link, plus the link's latency once). The best one is loaded into HBM, and the
-request then goes through the HBM cache as usual and finds it there. If none beats what HBM
-alone gives, nothing is loaded. The tier is inclusive: a loaded copy stays on the host too.
+before it in one of the two, is a candidate, and the deepest one is priced: the prefill seconds
+it saves beyond HBM's own hit (:func:`kimilab.costs.prefill_seconds`, the step model) against
+the seconds to load what is only on the host (bytes over the link, plus the link's latency
+once). If the load is faster, it is loaded into HBM, and the request then goes through the HBM
+cache as usual and finds it there; if not, nothing is loaded. (Only the deepest is priced: a
+block more on the host costs its bytes over the link, about 0.07 ms for 512 tokens at TP4 over
+PCIe 5.0, and saves its prefill, milliseconds.) The tier is inclusive: a loaded copy stays on
+the host too.
 
 Two checks hold it exact (``tests/test_host_tier.py``). A tier of zero bytes, or on a link too
 slow ever to pay, gives every request the same outcome as the cache without it. An unbounded tier
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from functools import lru_cache
 
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment, prefill_seconds
@@ -45,11 +47,12 @@ KV, STATE = 0, 1  # the two kinds of entry a host node holds
 class _HostNode:
     """One block's place in the host's own prefix tree: which of its KV and its checkpoint are held."""
 
-    __slots__ = ("key", "parent", "children", "held")
+    __slots__ = ("key", "parent", "children", "held", "alive")
 
     def __init__(self, key, parent):
         self.key, self.parent, self.children = key, parent, {}
         self.held = [False, False]  # [KV, STATE]
+        self.alive = True  # False once pruned from the tree
 
 
 class HostTier:
@@ -68,31 +71,22 @@ class HostTier:
         self.written_bytes = self.evicted_bytes = 0
         self.writes = self.evictions = 0
 
-    def node(self, keys, create: bool = False):
-        """The host node at the end of the block keys ``keys`` (None if absent and not ``create``)."""
-        node = self.root
-        for key in keys:
-            child = node.children.get(key)
-            if child is None:
-                if not create:
-                    return None
-                child = node.children[key] = _HostNode(key, node)
-            node = child
-        return node
+    def refresh(self, node, kind: int) -> None:
+        """A copy already held was written again: it becomes the most recently used."""
+        self._lru.move_to_end((node, kind))
 
-    def put(self, keys, kind: int, nbytes: int) -> None:
-        """Copy one entry (the block at the end of ``keys``, its KV or its state) to the host; a copy
-        already there is only refreshed. An entry larger than the whole tier is not kept."""
+    def make_room(self, nbytes: int) -> bool:
+        """Evict least recently used entries until ``nbytes`` fit; False if they cannot (larger than the
+        tier, or all that is left is being loaded). Evicting may prune empty nodes from the tree."""
         if nbytes > self.capacity_bytes:
-            return
-        node = self.node(keys)
-        if node is not None and node.held[kind]:
-            self._lru.move_to_end((node, kind))
-            return
-        while self.used_bytes + nbytes > self.capacity_bytes:  # room first: it may prune this node's path
+            return False
+        while self.used_bytes + nbytes > self.capacity_bytes:
             if not self._drop_oldest():
-                return  # all that is left is being loaded: this copy is not kept
-        node = self.node(keys, create=True)
+                return False
+        return True
+
+    def add(self, node, kind: int, nbytes: int) -> None:
+        """Hold a copy (room made first, :meth:`make_room`) at ``node``, a live node of the tree."""
         node.held[kind] = True
         self._lru[(node, kind)] = nbytes
         self.used_bytes += nbytes
@@ -122,6 +116,7 @@ class HostTier:
         self.evictions += 1
         while node.parent is not None and not node.children and not any(node.held):  # prune empty leaves
             del node.parent.children[node.key]
+            node.alive = False
             node = node.parent
         return True
 
@@ -138,11 +133,6 @@ class HostTier:
                     assert (node, kind) in self._lru
             assert node is self.root or node.children or any(node.held), "an empty host node was kept"
         assert flagged == len(self._lru)
-
-
-@lru_cache(maxsize=1 << 16)
-def _prefill_s(config: ModelConfig, deployment: Deployment, n_new: int, n_cached: int) -> float:
-    return prefill_seconds(config, deployment, n_new, n_cached)
 
 
 class TieredPrefixCache(HybridPrefixCache):
@@ -162,6 +152,8 @@ class TieredPrefixCache(HybridPrefixCache):
         self.host = host
         self.loads = self.loaded_blocks = self.loaded_checkpoints = self.loaded_bytes = self.host_tokens = 0
         self.load_seconds = self.saved_seconds = 0.0
+        self._prefill_memo: dict = {}
+        self._host_map: dict = {}  # HBM tree node -> its host tree node (dropped when it is evicted)
 
     @classmethod
     def for_budget(cls, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
@@ -177,40 +169,66 @@ class TieredPrefixCache(HybridPrefixCache):
         return cache
 
     # ----- writes: what HBM evicts ------------------------------------------
-    @staticmethod
-    def _keys_of(node) -> list:
-        keys = []
-        while node.parent is not None:
-            keys.append(node.key)
+    def _host_node(self, node, create: bool):
+        """The host tree's node for HBM tree ``node`` (None if absent and not ``create``). Found through
+        a map from HBM nodes, so an eviction does not walk its whole prefix; a pruned one is found again."""
+        chain, found = [], self.host.root
+        while node is not self.tree.root:
+            got = self._host_map.get(node)
+            if got is not None and got.alive:
+                found = got
+                break
+            chain.append(node)
             node = node.parent
-        return keys[::-1]
+        for hbm in reversed(chain):
+            child = found.children.get(hbm.key)
+            if child is None:
+                if not create:
+                    return None
+                child = found.children[hbm.key] = _HostNode(hbm.key, found)
+            self._host_map[hbm] = found = child
+        return found
+
+    def _write(self, node, kind: int, nbytes: int) -> None:
+        """Copy what HBM evicts at ``node`` (its KV or its state) to the host; a copy there is refreshed."""
+        held = self._host_node(node, create=False)
+        if held is not None and held.held[kind]:
+            self.host.refresh(held, kind)
+        elif self.host.make_room(nbytes):  # before the node is created: making room may prune its path
+            self.host.add(self._host_node(node, create=True), kind, nbytes)
 
     def _on_evict(self, node) -> None:
         if node.computed:
-            self.host.put(self._keys_of(node), KV, self.page_bytes)
-        super()._on_evict(node)
+            self._write(node, KV, self.page_bytes)
+        super()._on_evict(node)  # the node's checkpoint first (_drop_checkpoint), then its parent's rank
+        self._host_map.pop(node, None)
 
     def _drop_checkpoint(self, node) -> None:
         if node.payload.computed and self.checkpoint_pages:
-            self.host.put(self._keys_of(node), STATE, self.costs.checkpoint_bytes)
+            self._write(node, STATE, self.costs.checkpoint_bytes)
         super()._drop_checkpoint(node)
+
+    def close(self) -> None:
+        super().close()
+        self._host_map.clear()
 
     # ----- reads: load before the HBM cache sees the request ------------------
     def begin(self, keys=None, n_tokens=None, *, tokens=None):
-        """Load the best-paying host hit into HBM, then :meth:`HybridPrefixCache.begin`."""
+        """Load the deepest host hit into HBM if that beats recomputing it, then :meth:`HybridPrefixCache.begin`."""
         if tokens is not None:
             raise ValueError("tokens: the host tier keys blocks by hash ids; pass keys and n_tokens")
         if keys is not None and n_tokens is not None:
             self._load(keys, int(n_tokens))
         return super().begin(keys, n_tokens)
 
-    def _candidates(self, keys, n: int) -> tuple:
-        """``(hbm_usable, [(end, host_blocks, state_on_host, host node), ...])`` over the prompt's whole
-        blocks: each position past HBM's own usable hit where a state and all the KV before it are cached
-        in HBM or on the host (under a policy with free states, pure attention, every block end)."""
+    def _deepest(self, keys, n: int) -> tuple:
+        """``(hbm_usable, candidate)`` over the prompt's whole blocks: HBM's own usable hit, and the deepest
+        position past it where a state and all the KV before it are cached in HBM or on the host, as
+        ``(end, blocks only on the host, state only on the host, host node)`` (None if there is none).
+        Under a policy with free states (pure attention) every block end has a state."""
         bs, limit, free = self.block_size, n - 1, self.policy.free_states
         hbm, host = self.tree.root, self.host.root
-        hbm_usable, only_host, out = 0, 0, []
+        hbm_usable, only_host, best = 0, 0, None
         for j in range(min(n // bs, len(keys))):
             key = keys[j]
             hbm = None if hbm is None else hbm.children.get(key)
@@ -228,28 +246,30 @@ class TieredPrefixCache(HybridPrefixCache):
                 if only_host == 0:
                     hbm_usable = end  # HBM alone has it all
                 else:
-                    out.append((end, only_host, False, host))
+                    best = (end, only_host, False, host)
             elif host is not None and host.held[STATE]:
-                out.append((end, only_host, True, host))
-        return hbm_usable, out
+                best = (end, only_host, True, host)
+        return hbm_usable, best
+
+    def _recompute_s(self, n_new: int, n_cached: int) -> float:
+        """Prefill seconds of ``n_new`` tokens after ``n_cached`` (the step model, memoised per cache)."""
+        key = (n_new, n_cached)
+        got = self._prefill_memo.get(key)
+        if got is None:
+            got = self._prefill_memo[key] = prefill_seconds(self.costs.config, self.costs.deployment, n_new, n_cached)
+        return got
 
     def _load(self, keys, n: int) -> None:
-        hbm_usable, candidates = self._candidates(keys, n)
-        if not candidates:
-            return
-        cfg, dep, link = self.costs.config, self.costs.deployment, self.host.link
-        full = _prefill_s(cfg, dep, n, 0)
-        base = full - _prefill_s(cfg, dep, n - hbm_usable, hbm_usable)
-        best, best_net = None, 0.0
-        for end, blocks, state, host_node in candidates:
-            nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if state else 0)
-            load = link.latency_s + nbytes / link.bandwidth
-            net = full - _prefill_s(cfg, dep, n - end, end) - base - load
-            if net >= best_net:  # the deepest of equals
-                best, best_net = (end, nbytes, load, state, host_node), net
+        hbm_usable, best = self._deepest(keys, n)
         if best is None:
             return
-        end, _, _, state, host_node = best
+        end, blocks, state, host_node = best  # the deepest: a block more saves far more than it costs
+        link = self.host.link
+        nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if state else 0)
+        net = (self._recompute_s(n - hbm_usable, hbm_usable) - self._recompute_s(n - end, end)
+               - link.latency_s - nbytes / link.bandwidth)
+        if net < 0:
+            return  # recomputing from HBM's own hit is faster than the load
         depth = end // self.block_size
         reads, node = [(host_node, STATE)] if state else [], self.host.root
         for key in keys[:depth]:  # what is read from the host: refreshed there, and pinned while read
@@ -275,12 +295,13 @@ class TieredPrefixCache(HybridPrefixCache):
         self.load_seconds += link.latency_s + nbytes / link.bandwidth
         if complete and (self.policy.free_states or (tip.payload is not None and tip.payload.computed)):
             self.host_tokens += end - hbm_usable
-            self.saved_seconds += best_net
+            self.saved_seconds += net
 
     def host_summary(self) -> dict:
-        """The tier's counters as one JSON-ready dict (bytes per device)."""
+        """The tier's counters as one JSON-ready dict (bytes per device; an unbounded capacity is None)."""
         h = self.host
-        return {"host_capacity_bytes": h.capacity_bytes, "host_link": h.link.name, "host_used_bytes": h.used_bytes,
+        cap = h.capacity_bytes if math.isfinite(h.capacity_bytes) else None
+        return {"host_capacity_bytes": cap, "host_link": h.link.name, "host_used_bytes": h.used_bytes,
                 "host_written_bytes": h.written_bytes, "host_evicted_bytes": h.evicted_bytes,
                 "loads": self.loads, "loaded_blocks": self.loaded_blocks,
                 "loaded_checkpoints": self.loaded_checkpoints, "loaded_bytes": self.loaded_bytes,

@@ -99,8 +99,19 @@ def run(args, parser) -> int:
     if tokens and name not in POLICIES:
         parser.error(f"{args.trace}: its requests carry tokens, which only the block tree caches; expected one of "
                      f"the checkpoint policies ({', '.join(POLICIES)})")
+    host = getattr(args, "host_gb", None)
+    if host is not None and (name not in POLICIES or args.partial_blocks or tokens):
+        parser.error(f"--host-gb: the host tier runs under the block tree of the checkpoint policies, whole blocks "
+                     f"keyed by hash ids; expected one of {', '.join(POLICIES)} without --partial-blocks"
+                     + (f" ({args.trace} carries tokens)" if tokens else ""))
     try:
-        if args.partial_blocks or tokens:
+        if host is not None:
+            from kimilab.prefix.host import TieredPrefixCache
+
+            cache = TieredPrefixCache.for_budget(config, make_policy(name, **options), deployment=dep,
+                                                 block_size=block, capacity_tokens=args.capacity_tokens,
+                                                 host_bytes=host * 1e9)
+        elif args.partial_blocks or tokens:
             cache = HybridPrefixCache.for_budget(config, make_policy(name, **options), deployment=dep,
                                                  block_size=block, capacity_tokens=args.capacity_tokens,
                                                  partial_blocks=args.partial_blocks)
@@ -118,5 +129,7 @@ def run(args, parser) -> int:
     out["policy_detail"] = result.policy_detail
     if reason is not None:
         out["auto"] = reason
+    if host is not None:
+        out["host_tier"] = cache.host_summary()
     print(json.dumps(out))
     return 0
