@@ -1135,8 +1135,9 @@ show_table(rows, ["host DRAM", "usable hit", "loads", "GB loaded", "link s", "pr
 # the tier exact (`tests/test_host_tier.py`). A tier of zero bytes, or on a link too slow
 # to pay, gives every request the same outcome as no tier. An unbounded tier on a free
 # link gives every request the usable hit of an HBM cache with no limit. What this replay
-# leaves out is time: its loads are free for the requests around them. The engine of
-# chapter 10 does not model the tier yet, so the fleet verdicts are still made without it.
+# leaves out is time: its loads are free for the requests around them. The engine
+# charges them (each step waits for the loads admitted before it), and chapter 11
+# re-derives the agent and chat verdicts with the tier on.
 #
 # ### Deep dive: how fast the simulation runs
 #
