@@ -607,11 +607,11 @@ show_table(oom_tier, ["model", "usable hit", "TTFT p50 (s)", "TTFT p95 (s)", "re
 
 # %% [markdown]
 # The tier gives the transformer back part of what it evicted: its usable hit and its
-# tail improve, but its tail stays far over the agent SLO's 2 s, because what it loads
-# still has to be prefilled past the hit, and the sessions keep coming back faster than
-# one pool holds them. The hybrid never needed the tier here. So the question for the
-# verdict is goodput: Part B once more, for the baseline and both transformers, with the
-# tier under every instance (stored, as Part B is; minutes of simulation):
+# tail improve. But its usable hit stays below the hybrid's, so it still prefills more of
+# each turn, and its tail stays far over the agent SLO's 2 s. The hybrid loads nothing
+# here: its pool already holds every session. So the question for the verdict is
+# goodput: Part B once more, for the baseline and both transformers, with the tier under
+# every instance (stored, as Part B is; minutes of simulation):
 
 # %%
 TIER = stored("ch11_host_tier", run_part_b, **part_b_arguments(
@@ -651,10 +651,10 @@ for w, label in (("conversation", "chat"), ("agents", "agents")):
 
 # %% [markdown]
 # The verdict survives the tier. On agents the tier lifts the bf16 transformer the most,
-# since its pool is the smallest, and the fp8 one not at all: at its capacity it is
-# bound by its prefill, not by its pool. The hybrid gains too, and the ratio of the
-# hybrid to the best transformer barely moves. On chat every variant gains a little and
-# the ranking holds. What this leaves out: loads overlapped with compute (HiCache's
+# since its pool is the smallest, and the fp8 one not at all: it serves the same load
+# with and without the tier, so at its capacity its pool does not bind. The hybrid gains
+# too, and the ratio of the hybrid to the best transformer barely moves. On chat every
+# variant gains a little and the ranking holds. What this leaves out: loads overlapped with compute (HiCache's
 # layer-wise loading) would make the tier a little cheaper still, and a cluster-wide
 # store (Mooncake Store) shares entries across instances, which one instance cannot
 # show. These runs are at the central kernel set only; the band's corners are not
