@@ -131,3 +131,13 @@ def test_on_the_real_trace_an_unbounded_tier_on_a_free_link_is_an_unbounded_cach
     tiered, cache = run(capacity_tokens=1_000_000, host_bytes=math.inf, link=FREE)
     assert [o.usable_hit for o in tiered.per_request] == [o.usable_hit for o in unbounded.per_request]
     assert small.usable_hit_rate < tiered.usable_hit_rate and cache.loads > 0
+
+
+def test_a_transformer_loads_a_last_block_up_to_the_prompts_last_token():
+    """kv-only uses a cached block that ends past the last prompt token up to that token (HybridPrefixCache.hits);
+    the tier's load must too. HBM holds one block: a 2-block prompt, pushed out by another, comes back whole."""
+    a, b = (1, 2), (10, 11)
+    unbounded, _ = _replay([_req(a), _req(b), _req(a)], "kv-only", None)
+    outs, cache = _replay([_req(a), _req(b), _req(a)], "kv-only", 2 * BS, math.inf, FREE, check=True)
+    assert unbounded[2].usable_hit == 2 * BS - 1
+    assert outs[2].usable_hit == 2 * BS - 1 and cache.host_tokens == 2 * BS - 1

@@ -224,8 +224,9 @@ class TieredPrefixCache(HybridPrefixCache):
     def _deepest(self, keys, n: int) -> tuple:
         """``(hbm_usable, candidate)`` over the prompt's whole blocks: HBM's own usable hit, and the deepest
         position past it where a state and all the KV before it are cached in HBM or on the host, as
-        ``(end, blocks only on the host, state only on the host, host node)`` (None if there is none).
-        Under a policy with free states (pure attention) every block end has a state."""
+        ``(usable end, blocks to it, blocks only on the host, state only on the host, host node)`` (None if
+        there is none). Under a policy with free states (pure attention) every block end has a state, and
+        as in :meth:`HybridPrefixCache.hits` a block past the last token is used up to it."""
         bs, limit, free = self.block_size, n - 1, self.policy.free_states
         hbm, host = self.tree.root, self.host.root
         hbm_usable, only_host, best = 0, 0, None
@@ -239,16 +240,18 @@ class TieredPrefixCache(HybridPrefixCache):
                 break  # the KV stops here: nothing deeper can be used
             only_host += hbm is None
             end = (j + 1) * bs
-            if end > limit:
-                break
+            if end > limit and not free:
+                break  # a state past the last token is no use: that token is always computed
             ck = None if hbm is None else hbm.payload
             if free or (ck is not None and ck.computed):
                 if only_host == 0:
-                    hbm_usable = end  # HBM alone has it all
+                    hbm_usable = min(end, limit)  # HBM alone has it all
                 else:
-                    best = (end, only_host, False, host)
+                    best = (min(end, limit), j + 1, only_host, False, host)
             elif host is not None and host.held[STATE]:
-                best = (end, only_host, True, host)
+                best = (end, j + 1, only_host, True, host)
+            if end > limit:
+                break
         return hbm_usable, best
 
     def _recompute_s(self, n_new: int, n_cached: int) -> float:
@@ -263,21 +266,20 @@ class TieredPrefixCache(HybridPrefixCache):
         hbm_usable, best = self._deepest(keys, n)
         if best is None:
             return
-        end, blocks, state, host_node = best  # the deepest: a block more saves far more than it costs
+        end, depth, blocks, state, host_node = best  # the deepest: a block more saves far more than it costs
         link = self.host.link
         nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if state else 0)
         net = (self._recompute_s(n - hbm_usable, hbm_usable) - self._recompute_s(n - end, end)
                - link.latency_s - nbytes / link.bandwidth)
         if net < 0:
             return  # recomputing from HBM's own hit is faster than the load
-        depth = end // self.block_size
         reads, node = [(host_node, STATE)] if state else [], self.host.root
         for key in keys[:depth]:  # what is read from the host: refreshed there, and pinned while read
             node = None if node is None else node.children.get(key)
             if node is not None and node.held[KV]:
                 reads.append((node, KV))
         self.host.pin(reads)
-        m, path, complete = self.tree.insert(keys[:depth], end, pin=True)
+        m, path, complete = self.tree.insert(keys[:depth], depth * self.block_size, pin=True)
         self.pages_admitted += len(path) - len(m.nodes)
         tip, loaded_state = path[-1] if complete else None, False
         if state and tip is not None and tip.payload is None and self._admit([tip]):
