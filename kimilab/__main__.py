@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from typing import Sequence
 
-from kimilab.validate import HelpWithDefaults, nonnegative_float_arg, positive_float_arg, positive_int_arg
+from kimilab.validate import (HOST_GB_HELP, HelpWithDefaults, gb_or_inf_arg, nonnegative_float_arg,
+                              positive_float_arg, positive_int_arg, tokens_or_inf_arg)
 
 __all__ = ["main"]
-
-_FLOAT_INF = ("inf", "infinity", "unbounded")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,26 +43,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-
-
-def _capacity(text: str) -> int | None:
-    """A positive int, or ``inf`` for an unbounded cache (None)."""
-    if text.strip().lower() in _FLOAT_INF:
-        return None
-    return positive_int_arg(text)
-
-
-def _host_gb(text: str) -> float:
-    """GB of host DRAM per device: a number >= 0, or ``inf`` for no limit."""
-    if text.strip().lower() in _FLOAT_INF:
-        return math.inf
-    return nonnegative_float_arg(text)
-
-
-HOST_GB_HELP = ("GB of host DRAM per device under the prefix cache: what HBM evicts (KV blocks and states) is kept "
-                "there and loaded back when the load beats recomputing (kimilab.prefix.host; 'inf' for no limit)")
 
 
 def _nonnegative_int(text: str) -> int:
@@ -99,7 +77,6 @@ def _parser() -> _Parser:
     from inspect import signature
 
     from kimilab.config import PRESETS
-    from kimilab.fleet.routers import ROUTERS
     from kimilab.prefix.policies import POLICIES
     from kimilab.sim import command
     from kimilab.sim.sweep import CACHES, SESSIONS_PER_S
@@ -120,7 +97,7 @@ def _parser() -> _Parser:
                         "a design that ships (vllm-align at vLLM's own block for the deployment, marconi, "
                         "sglang-no-buffer, sglang-extra-buffer), the clairvoyant reference oracle, or auto: the "
                         "online policy chapter 6's map picks for the trace's sharing statistics (it prints why)")
-    p.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
+    p.add_argument("--capacity-tokens", type=tokens_or_inf_arg, required=True, metavar="N|inf",
                    help="cache memory per device in tokens of KV (N * KV bytes per token on one device), shared "
                         "by KV pages and state checkpoints; 'inf' for no limit")
     p.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
@@ -142,7 +119,7 @@ def _parser() -> _Parser:
                    help="sessions only: the seed of their order and start times (if not given, 0)")
     p.add_argument("--partial-blocks", action="store_true",
                    help="also cache a prompt's trailing partial block (the checkpoint policies only)")
-    p.add_argument("--host-gb", type=_host_gb, default=None, metavar="GB|inf",
+    p.add_argument("--host-gb", type=gb_or_inf_arg, default=None, metavar="GB|inf",
                    help=HOST_GB_HELP + "; the checkpoint policies only, whole blocks")
     _add_deployment(p)
     p.set_defaults(func=command.run, parser=p)
@@ -209,25 +186,14 @@ def _parser() -> _Parser:
     r = sub.add_parser("results", help="list the stored results of the chapters' long runs; --check recomputes them")
     stored.add_arguments(r)
     r.set_defaults(func=stored.run, parser=r)
+    from kimilab.fleet import command as fleet_command
+
     f = sub.add_parser("fleet", help="serve traces (one tenant per file) on N engine instances; print one JSON object",
                        description="Serve Mooncake-format traces, one tenant per file (named by its stem), on a "
                                    "fleet of continuous-batching engines on simulated time; print one JSON object.")
-    f.add_argument("traces", nargs="+", metavar="TRACE.jsonl", help="Mooncake jsonl traces, one tenant each")
-    f.add_argument("--instances", type=positive_int_arg, required=True, help="engine instances")
-    f.add_argument("--router", required=True, choices=sorted(ROUTERS), help="how arrivals pick an instance")
-    f.add_argument("--isolation", default="none", choices=["none", "quota"],
-                   help="quota: per-tenant reserved cache share and fair (virtual token counter) admission")
-    f.add_argument("--capacity-tokens", type=_capacity, required=True, metavar="N|inf",
-                   help="each instance's pool in tokens of KV (running requests + prefix cache); 'inf' for no limit")
-    f.add_argument("--model", default="kimi_linear_48b", choices=sorted(PRESETS),
-                   help="config preset served (a preset without KDA layers caches KV only)")
-    f.add_argument("--rate-scale", type=positive_float_arg, default=1.0, help="divide arrival times by X")
-    f.add_argument("--fail", action="append", default=[], type=_failure, metavar="INSTANCE@SECONDS",
-                   help="instance INSTANCE fails at SECONDS of simulated time (repeatable)")
-    f.add_argument("--host-gb", type=_host_gb, default=None, metavar="GB|inf",
-                   help=HOST_GB_HELP + "; each step waits for the loads admitted before it")
+    fleet_command.add_arguments(f)
     _add_deployment(f)
-    f.set_defaults(func=_fleet, parser=f)
+    f.set_defaults(func=fleet_command.run, parser=f)
     c = sub.add_parser("cp", help="context-parallel KDA across the ranks of mpiexec -n P; print one JSON object",
                        description="Run KDA context-parallel on seeded inputs across the ranks of "
                                    "`mpiexec -n P python -m kimilab cp`, and one rank alone in the same run; "
@@ -258,60 +224,6 @@ def _parser() -> _Parser:
                    help="with --model: the global-attention layers' layout (zigzag balances causal work)")
     c.set_defaults(func=_cp, parser=c)
     return top
-
-
-
-
-
-
-def _failure(text: str) -> tuple[int, float]:
-    inst, sep, at = text.partition("@")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected INSTANCE@SECONDS")
-    try:
-        i, t = int(inst), float(at)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected INSTANCE@SECONDS (an int and a number)") from None
-    if i < 0 or not 0 <= t < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a non-negative instance and time")
-    return i, t
-
-
-def _fleet(args, parser) -> int:
-    from kimilab.config import preset
-    from kimilab.costs import deployment
-    from kimilab.fleet import run_fleet
-    from kimilab.fleet.tenants import load_tenants
-    from kimilab.sim.command import no_requests
-
-    for i, _ in args.fail:
-        if i >= args.instances:
-            parser.error(f"--fail {i}@...: expected an instance below --instances={args.instances}")
-    if args.capacity_tokens is not None and args.capacity_tokens < 512:
-        parser.error(f"--capacity-tokens={args.capacity_tokens}: expected at least one 512-token block")
-    if args.host_gb is not None and args.isolation == "quota":
-        parser.error("--host-gb: a host tier sits under the one shared cache; expected --isolation none with it")
-    try:
-        requests = load_tenants(args.traces)
-    except (ValueError, OSError) as err:
-        parser.error(str(err))
-    if not requests:
-        parser.error(no_requests(", ".join(args.traces)))
-    try:
-        result = run_fleet(requests, preset(args.model), deployment=deployment(args.deployment),
-                           instances=args.instances, router=args.router,
-                           capacity_tokens=args.capacity_tokens, isolation=args.isolation,
-                           rate_scale=args.rate_scale, fails=args.fail,
-                           **({} if args.host_gb is None else {"host_bytes": args.host_gb * 1e9}))
-    except (ValueError, RuntimeError) as err:
-        parser.error(str(err))
-    print(json.dumps(result.summary()))
-    if not result.finished and result.refused:
-        parser.error(f"--capacity-tokens={args.capacity_tokens}: no request finished; {result.refused} were "
-                     f"refused, since they do not fit an instance's pool alone (prompt, output and states)")
-    if not result.finished:
-        parser.error("no request finished (see the JSON object above)")
-    return 0
 
 
 def _cp(args, parser) -> int:

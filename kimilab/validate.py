@@ -15,7 +15,8 @@ from typing import Iterable
 
 import numpy as np
 
-__all__ = ["writable_dir", "writable_file", "check_int", "check_float", "check_choice", "positive_int_arg", "positive_float_arg",
+__all__ = ["writable_dir", "writable_file", "check_int", "check_float", "check_choice", "positive_int_arg", "positive_float_arg", "tokens_or_inf_arg",
+           "gb_or_inf_arg", "HOST_GB_HELP",
            "nonnegative_float_arg", "HelpWithDefaults"]
 
 
@@ -77,6 +78,27 @@ def positive_float_arg(text: str) -> float:
 def nonnegative_float_arg(text: str) -> float:
     """argparse type: a finite number >= 0."""
     return _number_arg(text, float, "a number", lambda v: 0 <= v < math.inf, "a finite number >= 0")
+
+
+_INF = ("inf", "infinity", "unbounded")  # what an "or inf" argument accepts for no limit
+
+
+def tokens_or_inf_arg(text: str) -> int | None:
+    """argparse type: a positive int, or ``inf`` for an unbounded cache (None)."""
+    if text.strip().lower() in _INF:
+        return None
+    return positive_int_arg(text)
+
+
+def gb_or_inf_arg(text: str) -> float:
+    """argparse type: GB (of host DRAM, per device) >= 0, or ``inf`` for no limit."""
+    if text.strip().lower() in _INF:
+        return math.inf
+    return nonnegative_float_arg(text)
+
+
+HOST_GB_HELP = ("GB of host DRAM per device under the prefix cache: what HBM evicts (KV blocks and states) is kept "
+                "there and loaded back when the load beats recomputing (kimilab.prefix.host; 'inf' for no limit)")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):

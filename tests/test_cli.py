@@ -445,3 +445,19 @@ def test_fleet_host_gb_serves_with_a_tier_and_refuses_it_with_quotas(data_dir):
     a, b = json.loads(plain.stdout), json.loads(tier.stdout)
     assert a["finished"] == b["finished"] == a["requests"] and b["usable_hit_rate"] >= a["usable_hit_rate"]
     _one_line_rc2(_run(*args, "--host-gb", "1", "--isolation", "quota"), "--host-gb", "--isolation")
+
+
+def test_fleet_store_gb_shares_a_store_and_refuses_what_it_cannot_go_with(data_dir):
+    """Two instances behind a load-only router share a store: more hits than alone, and the summary
+    says what the store moved. Beside a host tier, under quotas, or --overlap-loads alone: exit 2."""
+    args = ("fleet", data_dir / "chat.jsonl", "--instances", "2", "--router", "least-loaded",
+            "--capacity-tokens", "200000")
+    plain, store = _run(*args), _run(*args, "--store-gb", "inf", "--overlap-loads")
+    assert plain.returncode == store.returncode == 0, store.stderr
+    a, b = json.loads(plain.stdout), json.loads(store.stdout)
+    assert a["finished"] == b["finished"] == a["requests"] and "store" not in a
+    assert b["usable_hit_rate"] > a["usable_hit_rate"] and b["store"]["capacity_bytes"] is None
+    assert b["store"]["written_bytes"] > 0 and b["store"]["loads"] > 0
+    _one_line_rc2(_run(*args, "--store-gb", "1", "--host-gb", "1"), "--store-gb", "--host-gb")
+    _one_line_rc2(_run(*args, "--store-gb", "1", "--isolation", "quota"), "--store-gb", "--isolation")
+    _one_line_rc2(_run(*args, "--overlap-loads"), "--overlap-loads", "--store-gb")

@@ -580,16 +580,19 @@ PAGE_BYTES = B * kv_bytes_per_token(kimi_linear_48b, ONE_H200)  # one block of K
 @given(seed=st.integers(0, 10**6), n_inst=st.integers(1, 2), router=st.sampled_from(
     ["least-loaded", "prefix-affinity", "state-aware"]), fail=st.booleans(), capacity_blocks=st.integers(40, 160),
     host_blocks=st.sampled_from([0, 5, 40, None]), budget=st.sampled_from([300, 2048]),
-    policy=st.sampled_from(["dual", "ends", "kv-only"]), gap_ms=st.sampled_from([2, 15, 60]))
+    policy=st.sampled_from(["dual", "ends", "kv-only"]), gap_ms=st.sampled_from([2, 15, 60]),
+    shared=st.booleans(), overlap=st.booleans())
 def test_with_a_host_tier_the_engine_equals_its_slow_twin(seed, n_inst, router, fail, capacity_blocks, host_blocks,
-                                                          budget, policy, gap_ms):
-    """The host tier (kimilab.prefix.host) under both engines: every decision alike, each step that
-    follows a load longer by its link time in both, and no page leaked; ``None``: an unbounded tier."""
+                                                          budget, policy, gap_ms, shared, overlap):
+    """The host tier (kimilab.prefix.host) under both engines, each instance's own or one store they
+    share (``shared``), its loads waited for or overlapped: every decision alike, each step that follows
+    a load longer by what is left of its link time in both, and no page leaked; ``None``: unbounded."""
     reqs = _trace(seed, 50, gap_ms=gap_ms, max_out=1200)
     fails = [(0, 0.05)] if fail and n_inst > 1 else []
     host = float("inf") if host_blocks is None else host_blocks * PAGE_BYTES
+    tier = {"store_bytes": host} if shared else {"host_bytes": host}
     fast, slow = _twins(reqs, n_inst=n_inst, router=router, fails=fails, capacity_blocks=capacity_blocks,
-                        token_budget=budget, policy=policy, host_bytes=host)
+                        token_budget=budget, policy=policy, overlap_loads=overlap, **tier)
     _assert_same(fast, slow)
     _check_gaps(fast[1], fast[0])
     _fleet_ok(fast[0])
@@ -611,3 +614,28 @@ def test_an_empty_host_tier_changes_nothing_and_a_large_one_loads_and_waits():
     served = sum(f.served for e in none.instances for f in e.finished)
     assert sum(f.served for e in big.instances for f in e.finished) > served
     assert big.instances[0].memory._link_charged == pytest.approx(cache.load_seconds, rel=1e-12)  # all charged
+
+
+def test_a_shared_store_gives_one_instance_what_another_computed():
+    """Two instances, a prompt, the instance that served it fails, and the same prompt plus a turn
+    comes back: it can only go to the other instance. Without a store it recomputes everything; the
+    store outlives the failure, so with one it loads the prefix, and its step waits for that load (less
+    when overlapped)."""
+    from kimilab.traffic import Request
+
+    first = Request(0, 0, 8 * B, 4, hash_ids=tuple(range(1, 9)))
+    turn = Request(1, 5000, 10 * B, 4, hash_ids=tuple(range(1, 11)))
+    runs = {}
+    for name, kw in (("none", {}), ("store", {"store_bytes": float("inf")}),
+                     ("overlapped", {"store_bytes": float("inf"), "overlap_loads": True})):
+        (fleet, result, _), = _twins([first, turn], classes=(Engine,), n_inst=2, router="least-loaded",
+                                     fails=[(1, 2.0)], **kw)
+        assert result.instance.tolist() == [1, 0]  # ties rotate: the first prompt went to instance 1
+        _fleet_ok(fleet)
+        runs[name] = (fleet, result)
+    hit = {k: dict(zip(r.request_ids.tolist(), r.usable_hit.tolist()))[1] for k, (_, r) in runs.items()}
+    assert hit == {"none": 0, "store": 8 * B, "overlapped": 8 * B}
+    store = runs["store"][0].store
+    assert store.loads == 1 and runs["store"][1].summary()["store"]["hit_tokens"] == 8 * B
+    ttft = {k: dict(zip(r.request_ids.tolist(), r.ttft_s.tolist()))[1] for k, (_, r) in runs.items()}
+    assert ttft["store"] < ttft["none"] and ttft["overlapped"] <= ttft["store"]

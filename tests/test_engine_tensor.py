@@ -17,6 +17,7 @@ from kimilab.engine import Engine, Executor, Live, TensorExecutor, serve
 from kimilab.engine.tensor import submit
 from kimilab.model import Model
 from kimilab.prefix import HybridPrefixCache
+from kimilab.prefix.offload import Tier
 from kimilab.traffic import Request
 
 FEW = settings(max_examples=examples(5), deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -233,3 +234,60 @@ def test_errors(tiny_model):
         Engine(tiny, deployment=ONE_H200, capacity_tokens=None, executor=e.executor)
     with pytest.raises(ValueError, match="model"):
         TensorExecutor(tiny)
+
+
+# ----- a host tier and a shared store under tensor mode: snapshots travel with the copies -----
+
+def _two_turns(model, engine, first, seed):
+    submit(engine, first)
+    engine.drain()
+    second = _turn_two(np.random.default_rng(seed + 1), first, engine.executor.outputs(), t_ms=10**6)
+    submit(engine, second)
+    engine.drain()
+    return second
+
+
+@FEW
+@given(seed=st.integers(0, 10**6), block=st.sampled_from([4, 8]), policy=st.sampled_from(["ends", "dual"]))
+def test_a_host_tier_serves_evicted_prefixes_exactly(tiny_model, seed, block, policy):
+    """A pool with room for about one request: the first turns push each other's checkpoints out, and
+    the second turns come back for them. With host DRAM under the cache they are loaded back, snapshot
+    and all: every output equals Model.generate alone, more of the prompts resume from stored snapshots
+    than without the tier, and every decision equals the accounting engine's with the same tier."""
+    rng = np.random.default_rng(seed)
+    first = _shared(rng, 6, block)
+    probe = Engine(tiny, deployment=ONE_H200, capacity_tokens=None, block_size=block)
+    need = max(-(-(r.input_length + r.output_length + 20) // block) for r in first) + 3 * probe.memory.state_pages
+    kw = dict(capacity_tokens=need * block, block_size=block, token_budget=4 * block, policy=policy)
+    runs = {}
+    free = Tier("free", float("inf"), 0.0)  # the reduced model's prefill is microseconds: only a free load pays
+    for name, tier in (("plain", {}), ("host", {"host_bytes": float("inf"), "host_link": free})):
+        engine = Engine(tiny, deployment=ONE_H200, executor=TensorExecutor(tiny_model), **kw, **tier)
+        second = _two_turns(tiny_model, engine, first, seed)
+        _check_exact(tiny_model, engine, engine.executor.outputs(), first + second)
+        _same_decisions(engine, _accounting(first + second, **kw, **tier))
+        runs[name] = engine
+    cache = runs["host"].memory.cache("default")
+    assert cache.loaded_checkpoints > 0, "a checkpoint came back from the host"
+    assert runs["host"].executor.store_hit_tokens > runs["plain"].executor.store_hit_tokens
+
+
+def test_a_shared_store_moves_snapshots_between_engines_exactly(tiny_model):
+    """Engine 0 serves the first turns; engine 1, which has seen nothing, serves the second turns from
+    the store they share: it loads their checkpoints, resumes from the snapshots engine 0 computed,
+    and every output equals Model.generate alone."""
+    from kimilab.prefix.host import HostTier
+
+    store = HostTier(float("inf"), Tier("free", float("inf"), 0.0))  # the reduced model's prefill is microseconds
+    engines = [Engine(tiny, deployment=ONE_H200, capacity_tokens=None, block_size=4, store=store,
+                      executor=TensorExecutor(tiny_model)) for _ in range(2)]
+    first = _shared(np.random.default_rng(5), 4, 4)
+    submit(engines[0], first)
+    engines[0].drain()
+    second = _turn_two(np.random.default_rng(6), first, engines[0].executor.outputs(), t_ms=10**6)
+    submit(engines[1], second)
+    engines[1].drain()
+    for engine, reqs in zip(engines, (first, second)):
+        _check_exact(tiny_model, engine, engine.executor.outputs(), reqs)
+    assert store.loads >= len(second) - 1 and engines[1].executor.store_hit_tokens > 0
+    assert all(f.usable_hit >= 4 for f in engines[1].finished), "each second turn resumed past a block"

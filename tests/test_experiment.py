@@ -189,7 +189,8 @@ def test_experiment_cli_part_b(tmp_path, capsys):
     assert (tmp_path / "part_b.json").is_file() and not (tmp_path / "part_a.json").exists()
     assert "| variant |" in capsys.readouterr().out
     for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"], ["--seeds", "0"],
-                ["--scale", "huge"], ["--host-ratio", "-1"]):
+                ["--scale", "huge"], ["--host-ratio", "-1"], ["--store-ratio", "-1"],
+                ["--host-ratio", "1", "--store-ratio", "2"]):
         with pytest.raises(SystemExit) as exc:
             main(["experiment", *bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
@@ -252,3 +253,27 @@ def test_the_experiments_sizes_are_the_chapters():
     assert part_b_arguments("full", instances=2)["instances"] == 2 and part_b_arguments("full")["variants"] is None
     with pytest.raises(ValueError, match="scale"):
         part_b_arguments("huge")
+
+
+def test_part_b_tiers_are_sized_from_the_pools_and_checked():
+    """``host_ratio`` sizes each instance's own tier from its HBM pool; ``store_ratio`` one shared store
+    from all the instances' pools; both at once, or a negative ratio, is refused by name. A chat goodput
+    with a shared store runs and counts its hits."""
+    from kimilab import costs
+    from kimilab.config import kimi_linear_48b
+    from kimilab.experiment.scale import conversation_goodput
+    from kimilab.experiment.tiers import tier_keywords, tier_note
+    from kimilab.experiment.variants import BASELINE, variant
+
+    dep = costs.DEFAULT_DEPLOYMENT
+    pool = 1000 * costs.kv_bytes_per_token(kimi_linear_48b, dep)
+    assert tier_keywords(kimi_linear_48b, dep, 1000, 4) == {} and tier_note(None, None) == {}
+    assert tier_keywords(kimi_linear_48b, dep, 1000, 4, host_ratio=2) == {"host_bytes": 2 * pool}
+    assert tier_keywords(kimi_linear_48b, dep, 1000, 4, store_ratio=2) == {"store_bytes": 8 * pool}
+    assert "shared" in tier_note(None, 2.0)["shared_store"]
+    with pytest.raises(ValueError, match="host_ratio, store_ratio"):
+        tier_keywords(kimi_linear_48b, dep, 1000, 4, host_ratio=1, store_ratio=1)
+    with pytest.raises(ValueError, match="store_ratio"):
+        tier_keywords(kimi_linear_48b, dep, 1000, 4, store_ratio=-1)
+    row = conversation_goodput(variant(BASELINE), n_requests=120, instances=2, orders=1, store_ratio=2.0)
+    assert row["goodput"] > 0 and row["usable_hit_rate"] > 0

@@ -108,7 +108,7 @@ def test_bad_arguments_name_what_is_expected():
     cache = TieredPrefixCache.for_budget(kimi_linear_48b, make_policy("ends"), deployment=ONE_H200,
                                          block_size=BS, capacity_tokens=10 * BS)
     with pytest.raises(ValueError, match="tokens"):
-        cache.begin(tokens=[1, 2, 3])
+        cache.begin([1], 3, tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="partial_blocks"):
         TieredPrefixCache.for_budget(kimi_linear_48b, make_policy("ends"), deployment=ONE_H200, block_size=BS,
                                      capacity_tokens=10 * BS, partial_blocks=True)
@@ -131,6 +131,103 @@ def test_on_the_real_trace_an_unbounded_tier_on_a_free_link_is_an_unbounded_cach
     tiered, cache = run(capacity_tokens=1_000_000, host_bytes=math.inf, link=FREE)
     assert [o.usable_hit for o in tiered.per_request] == [o.usable_hit for o in unbounded.per_request]
     assert small.usable_hit_rate < tiered.usable_hit_rate and cache.loads > 0
+
+
+# ----- a store shared across instances (write-through), and loads overlapped with compute -----
+
+def _shared(policy, capacity_tokens, n, store):
+    """``n`` tiered caches, each with its own HBM pool, over one shared write-through ``store``."""
+    caches = []
+    for _ in range(n):
+        own = TieredPrefixCache.for_budget(kimi_linear_48b, make_policy(policy), deployment=ONE_H200, block_size=BS,
+                                           capacity_tokens=capacity_tokens, host_bytes=0.0)
+        caches.append(TieredPrefixCache(own.pool, BS, own.policy, own.costs, store, write_through=True))
+    return caches
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(PATHS, ROOMY, st.sampled_from(["ends", "every-block", "align", "kv-only"]), st.integers(1, 3),
+       st.randoms(use_true_random=False))
+def test_a_shared_unbounded_store_on_a_free_link_is_one_unbounded_cache(paths, capacity_blocks, policy, n, rnd):
+    """Instances that each hold little but write every computed block and state through to one store
+    with no limit, free to load from: wherever each request goes, its usable hit is the one a single
+    HBM cache with no limit finds for the whole stream."""
+    recs = records_from_paths(paths)
+    unbounded, _ = _replay(recs, policy, None)
+    store = HostTier(math.inf, FREE)
+    caches = _shared(policy, capacity_blocks * BS, n, store)
+    outs = []
+    for r in recs:
+        cache = caches[rnd.randrange(n)]
+        outs.append(cache.serve(r.hash_ids, r.input_length))
+        cache.check_invariants()
+    assert [o.usable_hit for o in outs] == [o.usable_hit for o in unbounded]
+    assert store.evictions == 0 and store.loads == sum(c.loads for c in caches)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(PATHS, BUDGETS, st.integers(0, 3 * CK), st.sampled_from(["ends", "dual", "ends+branch", "kv-only"]),
+       st.integers(1, 3), st.randoms(use_true_random=False))
+def test_a_bounded_shared_store_keeps_every_invariant(paths, capacity_blocks, store_blocks, policy, n, rnd):
+    """A store too small for the traffic, evicting what one instance wrote while another reads near it:
+    every pool's and the store's invariants hold after each request, and its counters add up."""
+    store = HostTier(store_blocks * KV_BYTES, HOST_DRAM)
+    caches = _shared(policy, capacity_blocks * BS, n, store)
+    for r in records_from_paths(paths):
+        cache = caches[rnd.randrange(n)]
+        out = cache.serve(r.hash_ids, r.input_length)
+        assert out.usable_hit <= out.kv_hit < out.n_tokens
+        cache.check_invariants()
+    assert store.used_bytes <= store.capacity_bytes
+    assert store.loaded_bytes == sum(c.loaded_bytes for c in caches)
+    assert store.hit_tokens == sum(c.host_tokens for c in caches) and store.saved_seconds >= 0.0
+
+
+def test_write_through_puts_a_prefix_in_the_store_before_any_eviction():
+    """Instance A computes a prompt and keeps it in HBM; B, with an empty HBM, finds it in the store
+    and loads it. Without write-through (the host tier's write-back) B finds nothing: A evicted nothing."""
+    a = (1, 2, 3, 4)
+    for through, expected in ((True, 4 * BS), (False, 0)):
+        store = HostTier(math.inf, HOST_DRAM)
+        one, two = (TieredPrefixCache(c.pool, BS, c.policy, c.costs, store, write_through=through)
+                    for c in _shared("ends", (CK + 10) * BS, 2, store))
+        one.serve(a, 4 * BS)
+        assert one.kv_pages == 4 and (store.used_bytes > 0) == through
+        assert two.serve(a + (5,), 5 * BS).usable_hit == expected
+
+
+def _pipeline(compute_s: float, load_s: float, n: int) -> float:
+    """The slow twin of an overlapped step: layer j computes once its load is in and layer j - 1 is done."""
+    c, ld, done = compute_s / n, load_s / n, 0.0
+    for j in range(1, n + 1):
+        done = max(done, j * ld) + c
+    return done
+
+
+@given(st.floats(0.0, 10.0), st.floats(0.0, 10.0), st.booleans())
+def test_an_overlapped_step_is_the_layer_pipeline(compute_s, load_s, overlap):
+    from kimilab.engine import InstanceMemory
+
+    mem = InstanceMemory(kimi_linear_48b, deployment=ONE_H200, capacity_tokens=100 * BS, host_bytes=0.0,
+                         overlap_loads=overlap)
+    got = mem.step_seconds(compute_s, load_s)
+    if not overlap:
+        assert got == compute_s + load_s
+        return
+    assert got == pytest.approx(_pipeline(compute_s, load_s, kimi_linear_48b.n_layers), rel=1e-12, abs=1e-15)
+    assert max(compute_s, load_s) <= got + 1e-15 and got <= compute_s + load_s + 1e-15
+
+
+def test_a_store_is_refused_beside_quotas_or_a_host_tier():
+    from kimilab.engine import InstanceMemory
+
+    kw = dict(deployment=ONE_H200, capacity_tokens=100 * BS)
+    with pytest.raises(ValueError, match="quotas"):
+        InstanceMemory(kimi_linear_48b, quotas={"a": 0.5}, store=HostTier(1e9), **kw)
+    with pytest.raises(ValueError, match="host_bytes, store"):
+        InstanceMemory(kimi_linear_48b, host_bytes=1e9, store=HostTier(1e9), **kw)
+    with pytest.raises(ValueError, match="store"):
+        InstanceMemory(kimi_linear_48b, store=1e9, **kw)
 
 
 def test_a_transformer_loads_a_last_block_up_to_the_prompts_last_token():

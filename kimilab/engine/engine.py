@@ -69,7 +69,8 @@ class Engine(DecodeClock):
                  policy: str | None = None,
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
-                 dp_device: bool = False, host_bytes: float | None = None):
+                 dp_device: bool = False, host_bytes: float | None = None, host_link=None, store=None,
+                 overlap_loads: bool = False):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         if token_budget is None:
             token_budget = deployment.max_batched_tokens
@@ -88,7 +89,8 @@ class Engine(DecodeClock):
         self.deployment = deployment
         self.memory = InstanceMemory(config, deployment=deployment, block_size=block_size,
                                      capacity_tokens=capacity_tokens, policy=policy, quotas=quotas,
-                                     host_bytes=host_bytes)
+                                     host_bytes=host_bytes, host_link=host_link, store=store,
+                                     overlap_loads=overlap_loads)
         self.timer = timer or (DpDeviceTimer(config, deployment) if dp else StepTimer(config, deployment))
         if self.timer.deployment != deployment or self.timer.cfg != config:
             raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
@@ -349,9 +351,9 @@ class Engine(DecodeClock):
             if k > 1:  # contexts grow by one a step: time the run at its middle context
                 dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
         if self.memory.host is not None and (load := self.memory.take_link_seconds()):
-            if k > 1:  # host-tier loads since the last step: it waits for them (not overlapped with compute)
+            if k > 1:  # host-tier loads since the last step: one step, which waits for them (or overlaps them)
                 k, dt = 1, self.timer.step(n_dec, ctx, pieces)
-            dt += load
+            dt = self.memory.step_seconds(dt, load)
         if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
             self.executor.run([live for live in running if live.decoding_now], chunks, k)
         start = self.clock

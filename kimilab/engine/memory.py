@@ -7,7 +7,12 @@ reserved share of the pool's pages: when a tenant needs memory, the caches of
 tenants above their reserved share are evicted first (most over first), then its
 own; another tenant's cache is never evicted below its share on its behalf. With
 ``host_bytes`` the shared cache is a :class:`~kimilab.prefix.host.TieredPrefixCache`: what
-HBM evicts waits in host DRAM, and the engine charges the link time of each load.
+HBM evicts waits in host DRAM, and the engine charges the link time of each load. With
+``store`` (one :class:`~kimilab.prefix.host.HostTier` a whole fleet shares, as Mooncake Store
+pools the cluster's DRAM) the cache writes every block and state through to it as it is computed,
+so a prefix computed on one instance is there for the others. A step that follows loads waits
+for them (vLLM's KV connectors, LMCache and Mooncake's by default), or with ``overlap_loads``
+overlaps them with its compute layer by layer (SGLang's HiCache): :meth:`InstanceMemory.step_seconds`.
 ``foreign_evictions`` records each page count taken from another tenant, and the
 pages it was left with, so the isolation invariant can be checked.
 """
@@ -36,9 +41,15 @@ class InstanceMemory:
 
     def __init__(self, config: ModelConfig, *, deployment: Deployment, block_size: int = 512,
                  capacity_tokens: int | None, policy: str = "dual", quotas: dict[str, float] | None = None,
-                 host_bytes: float | None = None, host_link: Tier = HOST_DRAM):
-        if host_bytes is not None and quotas:
-            raise ValueError("host_bytes: a host tier sits under the one shared cache; expected no quotas with it")
+                 host_bytes: float | None = None, host_link: Tier | None = None, store: HostTier | None = None,
+                 overlap_loads: bool = False):
+        if (host_bytes is not None or store is not None) and quotas:
+            raise ValueError("host_bytes, store: a host tier sits under the one shared cache; expected no quotas "
+                             "with it")
+        if host_bytes is not None and store is not None:
+            raise ValueError("host_bytes, store: expected one tier under the cache, its own or a shared store")
+        if store is not None and not isinstance(store, HostTier):
+            raise ValueError(f"store: expected a kimilab.prefix.host.HostTier, got {type(store).__name__}")
         if not config.kda_layers and not make_policy(policy).free_states:
             raise ValueError(f"policy={policy!r} checkpoints KDA states, but config={config.name!r} has no KDA "
                              f"layer: use 'kv-only' (every cached token is usable)")
@@ -49,7 +60,8 @@ class InstanceMemory:
         self.costs = costs
         self.state_pages = -(-costs.checkpoint_bytes // self.pool.page_bytes)  # a live request's KDA + conv states
         self.quotas = dict(quotas) if quotas else None
-        self.host = None if host_bytes is None else HostTier(host_bytes, host_link)  # checks its arguments
+        self.host = store if host_bytes is None else HostTier(host_bytes, host_link or HOST_DRAM)  # checks them
+        self.write_through, self.overlap_loads = store is not None, bool(overlap_loads)
         self._link_charged = 0.0
         self.caches: dict[str, HybridPrefixCache] = {}
         self.reserved: dict[str, int] = {}
@@ -62,7 +74,8 @@ class InstanceMemory:
 
     def _new_cache(self) -> HybridPrefixCache:
         if self.host is not None:
-            return TieredPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs, self.host)
+            return TieredPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs, self.host,
+                                     write_through=self.write_through)
         return HybridPrefixCache(self.pool, self.block_size, make_policy(self.policy_name), self.costs)
 
     def take_link_seconds(self) -> float:
@@ -72,6 +85,15 @@ class InstanceMemory:
         total = self._shared.load_seconds
         new, self._link_charged = total - self._link_charged, total
         return new
+
+    def step_seconds(self, compute_s: float, load_s: float) -> float:
+        """A step's seconds when ``load_s`` of loads must land before it uses them. Serial: the sum.
+        Overlapped layer by layer over the model's n layers (layer j computes once its load is in and
+        layer j - 1 is done; the loads run back to back): max(load + compute/n, compute + load/n)."""
+        if not self.overlap_loads:
+            return compute_s + load_s
+        n = self.config.n_layers
+        return max(load_s + compute_s / n, compute_s + load_s / n)
 
     def cache(self, tenant: str) -> HybridPrefixCache:
         """The prefix cache a tenant's requests read and fill."""

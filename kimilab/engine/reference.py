@@ -51,7 +51,8 @@ class ReferenceEngine:
                  policy: str | None = None,
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
-                 dp_device: bool = False, host_bytes: float | None = None):
+                 dp_device: bool = False, host_bytes: float | None = None, host_link=None, store=None,
+                 overlap_loads: bool = False):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", deployment.max_batched_tokens if token_budget is None
                                 else token_budget, 1, unit="tokens per step")
@@ -66,7 +67,8 @@ class ReferenceEngine:
         self.deployment = deployment
         self.memory = InstanceMemory(config, deployment=deployment, block_size=block_size,
                                      capacity_tokens=capacity_tokens, policy=policy, quotas=quotas,
-                                     host_bytes=host_bytes)
+                                     host_bytes=host_bytes, host_link=host_link, store=store,
+                                     overlap_loads=overlap_loads)
         self.timer = timer or (DpDeviceTimer(config, deployment) if dp else StepTimer(config, deployment))
         if self.timer.deployment != deployment or self.timer.cfg != config:
             raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
@@ -282,8 +284,8 @@ class ReferenceEngine:
             if k > 1:  # timed at the run's middle context
                 dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
         load = self.memory.take_link_seconds()  # host-tier loads admitted since the last step
-        if load > 0:  # this step waits for them: one step, longer by the link time
-            k, dt = 1, self.timer.step(n_dec, ctx, pieces) + load
+        if load > 0:  # this step waits for them, or overlaps them: one step, longer by what is left
+            k, dt = 1, self.memory.step_seconds(self.timer.step(n_dec, ctx, pieces), load)
         if self.executor is not None:
             self.executor.run(decoders, chunks, k)
         start = self.clock

@@ -31,6 +31,10 @@ What decides and what holds the tensors:
   So every usable hit has a stored snapshot, and a hit without one is an error
   here (the two caches would disagree), not something quietly recomputed.
 
+Under a host tier or a shared store (:mod:`kimilab.prefix.host`) a checkpoint's snapshot goes
+with its copy: written to the host, it is kept on the host's node; loaded back, it is stored
+again for the checkpoint the load admits. A store shared by several engines shares the snapshots.
+
 One executor serves one Engine; re-routing a failed instance's requests to
 another instance's executor is not supported (their streamed tokens stay here).
 
@@ -51,6 +55,7 @@ from kimilab.engine.engine import Engine
 from kimilab.engine.live import Live
 from kimilab.model import HybridCache, Model
 from kimilab.prefix import make_policy
+from kimilab.prefix.host import TieredPrefixCache
 
 __all__ = ["Executor", "TensorExecutor", "serve", "submit"]
 
@@ -111,6 +116,10 @@ class TensorExecutor(Executor):
             raise ValueError(f"policy={engine.policy!r} keeps no states, so a hybrid model cannot resume "
                              "from its hits; use every-block, align, ends, ends+branch, dual or no-states")
         super().bind(engine)
+        for cache in engine.memory.all_caches():
+            if isinstance(cache, TieredPrefixCache):  # snapshots travel with the checkpoints' host copies
+                cache.state_tensors = self._snapshot
+                cache.load_state = self._loaded
 
     def check(self, req) -> None:
         if getattr(req, "tokens", None) is None:
@@ -202,6 +211,11 @@ class TensorExecutor(Executor):
             cache = snap.clone()
         self._caches[live] = cache
         return cache
+
+    def _loaded(self, node, snapshot: HybridCache | None) -> None:
+        """A host tier loaded a checkpoint back at ``node``: its snapshot is this checkpoint's now."""
+        if snapshot is not None:
+            self._store[node.payload] = (node, snapshot)
 
     def _prune(self) -> None:
         """Forget snapshots whose checkpoint the accounting cache has evicted."""

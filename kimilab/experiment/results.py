@@ -146,7 +146,7 @@ def run(args) -> int:
         given = {"n_requests": args.requests, "instances": args.instances, "agent_instances": args.agent_instances,
                  "agent_duration_s": None if args.agent_minutes is None else 60.0 * args.agent_minutes,
                  "orders": args.orders, "tune": None if args.tune is None else tune_grid(args.tune),
-                 "host_ratio": args.host_ratio}
+                 "host_ratio": args.host_ratio, "store_ratio": args.store_ratio}
         kwargs = part_b_arguments(args.scale, **{k: v for k, v in given.items() if v is not None})
         if args.tune == "none":
             kwargs["tune"] = None
@@ -198,9 +198,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--orders", "--seeds", dest="orders", type=positive_int_arg, default=None,
                         help="part B: orders each goodput is measured in (agents: the sessions' order; chat: the "
                              "gaps between arrivals, shuffled), reported as mean, min and max (both scales: 5)")
-    parser.add_argument("--host-ratio", type=nonnegative_float_arg, default=None,
+    tiers = parser.add_mutually_exclusive_group()  # one tier under the cache: an instance's own, or shared
+    tiers.add_argument("--host-ratio", type=nonnegative_float_arg, default=None,
                         help="part B: a host-memory tier of this many times each instance's HBM pool under its "
                              "prefix cache (kimilab.prefix.host; SGLang's HiCache guide uses 2); none given: no tier")
+    tiers.add_argument("--store-ratio", type=nonnegative_float_arg, default=None,
+                        help="part B: instead, one store the instances share (as Mooncake Store pools the cluster's "
+                             "DRAM), this many times their HBM pools together, written through over RDMA "
+                             "(kimilab.experiment.tiers); it shares only between instances, so use it with more "
+                             "than one")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,

@@ -3,7 +3,10 @@
 A run is a dict of :func:`kimilab.fleet.run_fleet`'s arguments with names in place of objects:
 ``deployment`` (a name), ``kernels`` (an index into :func:`kimilab.costs.members`; absent: the
 central set), ``model`` (default ``"kimi_linear_48b"``; its pool on the deployment is the
-capacity), ``instances``, ``router``, and optionally ``rate_scale``, ``policy``, ``isolation``.
+capacity), ``instances``, ``router``, and optionally ``rate_scale``, ``policy``, ``isolation``,
+``store_ratio`` (a store the instances share, :class:`kimilab.fleet.Fleet`'s ``store_bytes``, of
+that many times all their HBM pools together: 2 is each instance adding twice its pool in DRAM) and
+``store_bandwidth`` (its link's bytes per second a device, in place of the RDMA line rate).
 Its ``requests`` say where the traffic comes from:
 
 - ``{"trace": FILE, "start": i, "n": n}``: ``n`` requests of a shipped Mooncake trace from
@@ -52,7 +55,10 @@ def requests_of(spec: dict) -> list:
         from kimilab.traffic import zipf_prefixes
 
         return zipf_prefixes(**spec["zipf"])
-    window = list(_trace(spec["trace"])[spec["start"]:spec["start"] + spec["n"]])
+    trace = _trace(spec["trace"])
+    if not 0 <= spec["start"] and spec["start"] + spec["n"] <= len(trace):
+        raise ValueError(f"requests={spec!r}: expected a window inside the trace's {len(trace):,} requests")
+    window = list(trace[spec["start"]:spec["start"] + spec["n"]])
     if spec.get("no_reuse"):
         from kimilab.experiment.scale import no_reuse
 
@@ -64,10 +70,20 @@ def _job(run: dict) -> dict:
     dep = costs.deployment(run["deployment"])
     if run.get("kernels") is not None:
         dep = dep.with_(kernels=costs.members()[run["kernels"]].kernels)
-    job = {k: v for k, v in run.items() if k not in ("deployment", "kernels", "model", "requests")}
+    drop = ("deployment", "kernels", "model", "requests", "store_ratio", "store_bandwidth")
+    job = {k: v for k, v in run.items() if k not in drop}
     cfg = preset(run.get("model", "kimi_linear_48b"))
-    return dict(job, deployment=dep, requests=requests_of(run["requests"]),
-                capacity_tokens=costs.capacity_tokens(cfg, costs.deployment(run["deployment"])))
+    capacity = costs.capacity_tokens(cfg, costs.deployment(run["deployment"]))
+    if run.get("store_ratio") is not None:  # bytes per device: the fleet's pools' KV bytes, times the ratio
+        job["store_bytes"] = run["store_ratio"] * run["instances"] * capacity * costs.kv_bytes_per_token(cfg, dep)
+    if run.get("store_bandwidth") is not None:
+        from dataclasses import replace
+
+        from kimilab.prefix.offload import CLUSTER_RDMA
+
+        bw = run["store_bandwidth"]
+        job["store_link"] = replace(CLUSTER_RDMA, name=f"cluster DRAM at {bw / 1e9:g} GB/s a device", bandwidth=bw)
+    return dict(job, deployment=dep, requests=requests_of(run["requests"]), capacity_tokens=capacity)
 
 
 def fleet_summaries(runs: list[dict], workers: int | None = None) -> list[dict]:

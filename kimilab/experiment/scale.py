@@ -42,6 +42,7 @@ import numpy as np
 from kimilab import costs
 from kimilab.experiment import tuning
 from kimilab.experiment.spread import Spread, compare  # noqa: F401  (importable from here as before)
+from kimilab.experiment.tiers import check_ratios, tier_keywords, tier_note
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import Fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
@@ -134,13 +135,6 @@ def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | N
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
 
-def _tier(host_ratio: float | None, cfg, dep, cap: int) -> dict:
-    """The engines' keyword for a host tier of ``host_ratio`` times the HBM pool's bytes (:mod:`kimilab.prefix.host`)."""
-    if host_ratio is None:
-        return {}
-    return {"host_bytes": check_float("host_ratio", host_ratio, minimum=0.0) * cap * costs.kv_bytes_per_token(cfg, dep)}
-
-
 def _base_row(v: Variant, workload: str, dep, instances: int) -> dict:
     return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
             "router": v.router, "deployment": dep.name, "instances": instances,
@@ -188,13 +182,14 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
                          price_per_hour: float = 2.0, start: float = 4.0, rel_tol: float = 0.05,
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
                          orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
-                         scheduler: dict | None = None, host_ratio: float | None = None) -> dict:
+                         scheduler: dict | None = None, host_ratio: float | None = None,
+                         store_ratio: float | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
     ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
-    ``host_ratio``: as in :func:`agent_capacity`."""
+    ``host_ratio``, ``store_ratio``: as in :func:`agent_capacity`."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = _tier(host_ratio, cfg, dep, cap)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -225,15 +220,16 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                    price_per_hour: float = 2.0, start: int = 16, rel_tol: float = 0.05, slo=AGENT_SLO,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
                    part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
-                   scheduler: dict | None = None, host_ratio: float | None = None) -> dict:
+                   scheduler: dict | None = None, host_ratio: float | None = None,
+                   store_ratio: float | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
-    :func:`conversation_goodput`; ``host_ratio``: a host tier of that many times the HBM pool's bytes
-    under each instance's cache (:mod:`kimilab.prefix.host`; None: none)."""
+    :func:`conversation_goodput`; ``host_ratio``, ``store_ratio``: a host tier under each instance's cache,
+    or a store they share (:mod:`kimilab.experiment.tiers`; None: none)."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = _tier(host_ratio, cfg, dep, cap)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -384,13 +380,13 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
                sessions: Path | str | None = None, tune: dict | None = None, host_ratio: float | None = None,
-               progress=None) -> dict:
+               store_ratio: float | None = None, progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
-    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``: a
-    host tier under every instance's cache (:func:`agent_capacity`). ``progress(line)`` hears of each
+    requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``,
+    ``store_ratio``: a host tier under every instance's cache, or a store they share (:func:`agent_capacity`). ``progress(line)`` hears of each
     variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
@@ -415,9 +411,8 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
         if w not in workloads or not isinstance(grid, (tuple, list)) or len(grid) != 2:
             raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
-    if host_ratio is not None:
-        for w in kw:
-            kw[w]["host_ratio"] = check_float("host_ratio", host_ratio, minimum=0.0)
+    for w in kw:
+        kw[w].update(check_ratios(host_ratio, store_ratio))
     t0 = time.perf_counter()
     rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers, progress=progress)
     from kimilab.experiment.results import _version
@@ -432,9 +427,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}
-    if host_ratio is not None:
-        result["config"]["host_tier"] = (f"host DRAM of {host_ratio:g}x each instance's HBM pool under its prefix "
-                                         "cache (kimilab.prefix.host); each step waits for the loads before it")
+    result["config"].update(tier_note(host_ratio, store_ratio))
     if out is not None:
         import json
 

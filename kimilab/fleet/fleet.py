@@ -4,7 +4,10 @@ At each event (an arrival or a failure, in time order) every live instance is
 advanced to that time, so routers see loads and caches as they are then. A
 failed instance loses its pool, cache and requests; its running and waiting
 requests are routed again at once and recompute (what they had streamed is
-kept). With ``isolation="quota"`` every instance gives each tenant a reserved
+kept). With ``store_bytes`` the instances share one store of cached blocks and states
+(:class:`~kimilab.prefix.host.HostTier`, as Mooncake Store pools the cluster's DRAM): each
+cache writes through to it, loads a hit from it when that beats recomputing, and it outlives
+a failed instance. With ``isolation="quota"`` every instance gives each tenant a reserved
 share of its pool for cached prefixes and admits by virtual token counters.
 """
 
@@ -20,6 +23,8 @@ from kimilab.engine.dp import DpDeviceTimer
 from kimilab.fleet.result import FleetResult
 from kimilab.fleet.routers import make_router
 from kimilab.gcpause import gc_paused
+from kimilab.prefix.host import HostTier
+from kimilab.prefix.offload import CLUSTER_RDMA, Tier
 from kimilab.validate import check_float, check_int
 
 __all__ = ["Fleet", "ISOLATION", "MAX_INSTANCES", "MAX_SIMULATED_S", "run_fleet", "shared_timer"]
@@ -45,12 +50,13 @@ class Fleet:
     """``n`` identical instances behind one router (under DP-attention, ``n`` x devices engines, one a
     device: ``capacity_tokens`` is still per instance, split evenly over its devices). Each engine's
     step budget and batch cap are the deployment's (``max_batched_tokens``, ``max_num_seqs``) unless
-    ``engine_kw`` names ``token_budget`` or ``max_batch``."""
+    ``engine_kw`` names ``token_budget`` or ``max_batch``. ``store_bytes`` (per device) on ``store_link``:
+    a store the instances share (see the module's docstring)."""
 
     def __init__(self, config: ModelConfig, n: int, router: str, *, deployment: Deployment,
                  capacity_tokens: int | None, isolation: str = "none", tenants: Sequence[str] = (),
                  reserve: float = 0.5, engine_class: type = Engine, router_options: dict | None = None,
-                 **engine_kw):
+                 store_bytes: float | None = None, store_link: Tier = CLUSTER_RDMA, **engine_kw):
         n = check_int("instances", n, 1)
         if n > MAX_INSTANCES:
             raise ValueError(f"instances={n}: expected at most {MAX_INSTANCES:,} (one simulated engine each)")
@@ -72,6 +78,12 @@ class Fleet:
         n_engines = n * deployment.n_devices // self.devices_per_engine
         if dp and capacity_tokens is not None:
             capacity_tokens = max(1, capacity_tokens // deployment.n_devices)  # each device's share
+        if store_bytes is not None and (isolation == "quota" or engine_kw.get("host_bytes") is not None):
+            raise ValueError("store_bytes: a shared store sits under each instance's one shared cache; expected "
+                             "isolation='none' and no host_bytes with it")
+        self.store = None if store_bytes is None else HostTier(store_bytes, store_link)
+        if self.store is not None:
+            engine_kw["store"] = self.store
         self.instances = [engine_class(config, deployment=deployment, capacity_tokens=capacity_tokens, quotas=quotas,
                                        fair=isolation == "quota", timer=timer, index=i, dp_device=dp, **engine_kw)
                           for i in range(n_engines)]

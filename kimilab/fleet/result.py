@@ -61,6 +61,7 @@ class FleetResult:
     aborted: bool = False  # stopped early: a guard found the outcome certain (kimilab.fleet.goodput)
     tbt: GapLog = field(default=None, repr=False)  # every gap between output tokens, by time bucket
     busy_buckets: np.ndarray = field(default=None, repr=False)  # the time buckets busy_s's columns are
+    store: dict | None = None  # the shared store's counters (kimilab.prefix.host.HostTier.summary), if any
 
     @classmethod
     def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
@@ -83,7 +84,8 @@ class FleetResult:
                    sum(f.restarts for f in done), sum(len(e.refused) for e in fleet.instances),
                    fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
                    col(lambda f: f.request_id, int), len(fleet.instances) * fleet.devices_per_engine,
-                   fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances), busy_buckets=buckets)
+                   fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances), busy_buckets=buckets,
+                   store=None if fleet.store is None else fleet.store.summary())
 
     @property
     def finished(self) -> int:
@@ -157,5 +159,7 @@ class FleetResult:
         out["instances"] = [{"instance": i, "requests": int(np.count_nonzero(self.instance == i)),
                              "usable_hit_rate": round(self.usable_hit_rate(self.instance == i), 6),
                              "busy_fraction": round(float(util[i].sum() / span), 6)} for i in range(self.n_instances)]
+        if self.store is not None:
+            out["store"] = self.store
         out["run_wall_s"] = round(self.wall_seconds, 3)
         return out

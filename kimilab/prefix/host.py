@@ -1,29 +1,34 @@
 """A host-memory tier under the hybrid prefix cache: what HBM evicts is kept in DRAM and loaded back.
 
 Production caches do not throw an evicted block away. SGLang's HiCache keeps a host pool beside
-the GPU pool (``--hicache-ratio``, ``--hicache-size``), and Mooncake Store and LMCache keep KV
-in the DRAM of the cluster. For a hybrid model a hit needs both kinds of memory: the KV of every
-block up to a position, and a state checkpoint exactly there (:mod:`kimilab.prefix.hybrid`).
+the GPU pool (``--hicache-ratio``, 2 by default), and for hybrid models (``HiMambaRadixCache``,
+SGLang 0.5.10) it keeps the Mamba states there too. Mooncake Store pools the DRAM of a whole
+cluster and shares it among instances. For a hybrid model a hit needs both kinds of memory: the KV
+of every block up to a position, and a state checkpoint exactly there (:mod:`kimilab.prefix.hybrid`).
 So the tier keeps both.
 
 :class:`HostTier` is the DRAM: copies of KV blocks and checkpoints, keyed by their place in
 the prefix tree, bounded in bytes and evicted least recently used first. :class:`TieredPrefixCache`
-is a :class:`~kimilab.prefix.hybrid.HybridPrefixCache` whose evictions are written to the tier
-(a block or a checkpoint that was computed; one in flight has nothing to copy). When a request
-arrives, every position where a state is cached, in HBM or in the tier, with the KV of every block
-before it in one of the two, is a candidate, and the deepest one is priced: the prefill seconds
-it saves beyond HBM's own hit (:func:`kimilab.costs.prefill_seconds`, the step model) against
-the seconds to load what is only on the host (bytes over the link, plus the link's latency
-once). If the load is faster, it is loaded into HBM, and the request then goes through the HBM
-cache as usual and finds it there; if not, nothing is loaded. (Only the deepest is priced: a
-block more on the host costs its bytes over the link, about 0.07 ms for 512 tokens at TP4 over
-PCIe 5.0, and saves its prefill, milliseconds.) The tier is inclusive: a loaded copy stays on
-the host too.
+is a :class:`~kimilab.prefix.hybrid.HybridPrefixCache` over one. It writes what HBM evicts (a block
+or a checkpoint that was computed; one in flight has nothing to copy): HiCache's ``write_back``.
+With ``write_through`` it also writes each block and checkpoint as soon as it is computed (HiCache's
+default), which a tier shared by several caches needs: what one instance computed is then there
+for the others before it leaves that instance's HBM.
+
+When a request arrives, every position where a state is cached, in HBM or in the tier, with the KV
+of every block before it in one of the two, is a candidate, and the deepest one is priced: the
+prefill seconds it saves beyond HBM's own hit (:func:`kimilab.costs.prefill_seconds`, the step
+model) against the seconds to load what is only on the host (bytes over the link, plus the link's
+latency once). If the load is faster, it is loaded into HBM, and the request then goes through the
+HBM cache as usual and finds it there; if not, nothing is loaded. (HiCache loads any host hit of
+10 tokens or more; here a load always pays on the links of :mod:`kimilab.prefix.offload` except for
+tiny hits.) The tier is inclusive: a loaded copy stays on the host too.
 
 Two checks hold it exact (``tests/test_host_tier.py``). A tier of zero bytes, or on a link too
 slow ever to pay, gives every request the same outcome as the cache without it. An unbounded tier
 on a free link gives every request the usable hit of an HBM cache with no limit, for the
-policies whose checkpoint positions depend only on the prompt and its usable hit.
+policies whose checkpoint positions depend only on the prompt and its usable hit; shared by several
+write-through caches, the usable hit of one HBM cache with no limit serving them all.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections import OrderedDict
 
 from kimilab.config import ModelConfig
 from kimilab.costs import Deployment, prefill_seconds
+from kimilab.prefix.blocks import split_prompt
 from kimilab.prefix.hybrid import HybridPrefixCache, budget_pages, shared_costs
 from kimilab.prefix.offload import HOST_DRAM, Tier
 from kimilab.pool.pages import PagePool
@@ -47,12 +53,13 @@ KV, STATE = 0, 1  # the two kinds of entry a host node holds
 class _HostNode:
     """One block's place in the host's own prefix tree: which of its KV and its checkpoint are held."""
 
-    __slots__ = ("key", "parent", "children", "held", "alive")
+    __slots__ = ("key", "parent", "children", "held", "alive", "tensors")
 
     def __init__(self, key, parent):
         self.key, self.parent, self.children = key, parent, {}
         self.held = [False, False]  # [KV, STATE]
         self.alive = True  # False once pruned from the tree
+        self.tensors = None  # what a caller keeps with the state's copy (the engine's tensor mode), if anything
 
 
 class HostTier:
@@ -68,8 +75,10 @@ class HostTier:
         self._lru: OrderedDict = OrderedDict()  # (node, kind) -> bytes, oldest first
         self._pinned: set = set()  # entries a load in progress reads
         self.used_bytes = 0
-        self.written_bytes = self.evicted_bytes = 0
-        self.writes = self.evictions = 0
+        self.written_bytes = self.evicted_bytes = self.evictions = 0
+        # what the caches reading this tier loaded from it (one tier may sit under several, kimilab.fleet)
+        self.loads = self.loaded_bytes = self.hit_tokens = 0
+        self.load_seconds = self.saved_seconds = 0.0
 
     def refresh(self, node, kind: int) -> None:
         """A copy already held was written again: it becomes the most recently used."""
@@ -91,7 +100,6 @@ class HostTier:
         self._lru[(node, kind)] = nbytes
         self.used_bytes += nbytes
         self.written_bytes += nbytes
-        self.writes += 1
 
     def pin(self, entries) -> None:
         """Entries ``(node, kind)`` about to be loaded: the most recently used, and kept until :meth:`unpin`
@@ -111,6 +119,8 @@ class HostTier:
         node, kind = entry
         nbytes = self._lru.pop(entry)
         node.held[kind] = False
+        if kind == STATE:
+            node.tensors = None
         self.used_bytes -= nbytes
         self.evicted_bytes += nbytes
         self.evictions += 1
@@ -119,6 +129,15 @@ class HostTier:
             node.alive = False
             node = node.parent
         return True
+
+    def summary(self) -> dict:
+        """The tier's counters, over every cache that reads it, as one JSON-ready dict (bytes per device;
+        an unbounded capacity is None; ``saved_seconds``: prefill seconds the loads saved, net of them)."""
+        cap = self.capacity_bytes if math.isfinite(self.capacity_bytes) else None
+        return {"capacity_bytes": cap, "link": self.link.name, "used_bytes": self.used_bytes,
+                "written_bytes": self.written_bytes, "evicted_bytes": self.evicted_bytes, "loads": self.loads,
+                "loaded_bytes": self.loaded_bytes, "load_seconds": round(self.load_seconds, 6),
+                "hit_tokens": self.hit_tokens, "saved_seconds": round(self.saved_seconds, 6)}
 
     def check_invariants(self) -> None:
         """Bytes held == the sum of the LRU's entries <= capacity; every flag set has its entry."""
@@ -141,30 +160,38 @@ class TieredPrefixCache(HybridPrefixCache):
     Counters: ``loads`` (requests that loaded something), ``loaded_blocks``, ``loaded_checkpoints``,
     ``loaded_bytes``, ``load_seconds`` (their link time), ``host_tokens`` (usable tokens gained over
     what HBM alone held) and ``saved_seconds`` (prefill seconds those tokens saved, less the loads).
+
+    Two hooks let a caller that holds real tensors for each checkpoint (the engine's tensor mode,
+    :class:`kimilab.engine.tensor.TensorExecutor`) move them with the copies: ``state_tensors(node)``
+    gives what to keep when a checkpoint is written to the host, ``load_state(node, tensors)`` hears
+    that a checkpoint was loaded back at ``node``.
     """
 
-    def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs, host: HostTier, **kwargs):
+    def __init__(self, pool: PagePool, block_size: int, policy: Policy, costs, host: HostTier, *,
+                 write_through: bool = False, **kwargs):
         if not isinstance(host, HostTier):
             raise ValueError(f"host: expected a kimilab.prefix.host.HostTier, got {type(host).__name__}")
         if kwargs.get("partial_blocks") or kwargs.get("allocs_per_node", 1) != 1:
             raise ValueError("partial_blocks, allocs_per_node: the host tier keeps whole blocks, one page each")
         super().__init__(pool, block_size, policy, costs, **kwargs)
-        self.host = host
+        self.host, self.write_through = host, bool(write_through)
         self.loads = self.loaded_blocks = self.loaded_checkpoints = self.loaded_bytes = self.host_tokens = 0
         self.load_seconds = self.saved_seconds = 0.0
         self._prefill_memo: dict = {}
         self._host_map: dict = {}  # HBM tree node -> its host tree node (dropped when it is evicted)
+        self.state_tensors = self.load_state = None  # the hooks (see the class docstring)
 
     @classmethod
     def for_budget(cls, config: ModelConfig, policy: Policy, *, deployment: Deployment, block_size: int,
                    capacity_tokens: int | None, host_bytes: float = math.inf, link: Tier = HOST_DRAM,
-                   partial_blocks: bool = False) -> "TieredPrefixCache":
+                   partial_blocks: bool = False, write_through: bool = False) -> "TieredPrefixCache":
         """As :meth:`HybridPrefixCache.for_budget`, over a host tier of ``host_bytes`` per device on ``link``."""
         block_size = check_int("block_size", block_size, 1, unit="tokens")
         capacity_tokens, n_pages = budget_pages(capacity_tokens, block_size)
         costs = shared_costs(config, deployment)
         pool = PagePool(n_pages, block_size * costs.kv_bytes_per_token, backed=False, name=f"hbm-{policy.name}")
-        cache = cls(pool, block_size, policy, costs, HostTier(host_bytes, link), partial_blocks=partial_blocks)
+        cache = cls(pool, block_size, policy, costs, HostTier(host_bytes, link), partial_blocks=partial_blocks,
+                    write_through=write_through)
         cache.capacity_tokens = capacity_tokens
         return cache
 
@@ -189,24 +216,40 @@ class TieredPrefixCache(HybridPrefixCache):
             self._host_map[hbm] = found = child
         return found
 
-    def _write(self, node, kind: int, nbytes: int) -> None:
-        """Copy what HBM evicts at ``node`` (its KV or its state) to the host; a copy there is refreshed."""
+    def _write(self, node, kind: int, nbytes: int, refresh: bool = True) -> None:
+        """Copy ``node``'s KV or state to the host; a copy already there is refreshed (if ``refresh``)."""
         held = self._host_node(node, create=False)
         if held is not None and held.held[kind]:
-            self.host.refresh(held, kind)
+            if refresh:
+                self.host.refresh(held, kind)
         elif self.host.make_room(nbytes):  # before the node is created: making room may prune its path
-            self.host.add(self._host_node(node, create=True), kind, nbytes)
+            held = self._host_node(node, create=True)
+            self.host.add(held, kind, nbytes)
+            if kind == STATE and self.state_tensors is not None:
+                held.tensors = self.state_tensors(node)
 
     def _on_evict(self, node) -> None:
-        if node.computed:
-            self._write(node, KV, self.page_bytes)
+        if node.computed:  # write-back; under write-through only a copy the host has lost is written again
+            self._write(node, KV, self.page_bytes, refresh=not self.write_through)
         super()._on_evict(node)  # the node's checkpoint first (_drop_checkpoint), then its parent's rank
         self._host_map.pop(node, None)
 
     def _drop_checkpoint(self, node) -> None:
         if node.payload.computed and self.checkpoint_pages:
-            self._write(node, STATE, self.costs.checkpoint_bytes)
+            self._write(node, STATE, self.costs.checkpoint_bytes, refresh=not self.write_through)
         super()._drop_checkpoint(node)
+
+    def mark_computed(self, path, done: int, start: int = 0) -> int:
+        """As :meth:`HybridPrefixCache.mark_computed`; under write-through each block and checkpoint is
+        copied to the host as soon as it is computed (what a cache shared across instances needs: a
+        prefix still in one instance's HBM is then in the store for the others)."""
+        end = HybridPrefixCache.mark_computed(path, done, start)
+        if self.write_through:
+            for node in path[start:end]:
+                self._write(node, KV, self.page_bytes)
+                if node.payload is not None and self.checkpoint_pages:
+                    self._write(node, STATE, self.costs.checkpoint_bytes)
+        return end
 
     def close(self) -> None:
         super().close()
@@ -216,7 +259,10 @@ class TieredPrefixCache(HybridPrefixCache):
     def begin(self, keys=None, n_tokens=None, *, tokens=None):
         """Load the deepest host hit into HBM if that beats recomputing it, then :meth:`HybridPrefixCache.begin`."""
         if tokens is not None:
-            raise ValueError("tokens: the host tier keys blocks by hash ids; pass keys and n_tokens")
+            if keys is not None or n_tokens is not None:
+                raise ValueError("tokens: expected tokens alone, or keys with n_tokens")
+            self._load(split_prompt(None, None, tokens, self.block_size, False)[0], len(tokens))
+            return super().begin(tokens=tokens)
         if keys is not None and n_tokens is not None:
             self._load(keys, int(n_tokens))
         return super().begin(keys, n_tokens)
@@ -286,18 +332,25 @@ class TieredPrefixCache(HybridPrefixCache):
             tip.payload.computed = True
             self.loaded_checkpoints += 1
             loaded_state = True
+            if self.load_state is not None:
+                self.load_state(tip, host_node.tensors)
         self.host.unpin()
         self.tree.unpin(path)
         self._requeue_checkpoints(path)
         blocks = len(path) - len(m.nodes)
         nbytes = blocks * self.page_bytes + (self.costs.checkpoint_bytes if loaded_state else 0)
+        seconds, host = link.latency_s + nbytes / link.bandwidth, self.host
         self.loads += 1
         self.loaded_blocks += blocks
         self.loaded_bytes += nbytes
-        self.load_seconds += link.latency_s + nbytes / link.bandwidth
+        self.load_seconds += seconds
+        host.loads, host.loaded_bytes, host.load_seconds = host.loads + 1, host.loaded_bytes + nbytes, \
+            host.load_seconds + seconds
         if complete and (self.policy.free_states or (tip.payload is not None and tip.payload.computed)):
             self.host_tokens += end - hbm_usable
             self.saved_seconds += net
+            host.hit_tokens += end - hbm_usable
+            host.saved_seconds += net
 
     def host_summary(self) -> dict:
         """The tier's counters as one JSON-ready dict (bytes per device; an unbounded capacity is None)."""

@@ -20,7 +20,7 @@ from kimilab.costs import Deployment, kv_bytes_per_token, prefill_seconds_saved
 from kimilab.prefix.precision import checkpoint_bytes
 from kimilab.validate import check_int
 
-__all__ = ["Tier", "HOST_DRAM", "NVME_SSD", "TIERS", "load_seconds", "break_even_tokens"]
+__all__ = ["Tier", "HOST_DRAM", "NVME_SSD", "CLUSTER_RDMA", "TIERS", "load_seconds", "break_even_tokens"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,11 @@ HOST_DRAM = Tier("host DRAM over PCIe 5.0 x16", 63e9, 10e-6,
 # One NVMe SSD on PCIe 5.0 x4 reads sequentially at about 14 GB/s at best; ~100 us to first byte.
 NVME_SSD = Tier("one NVMe SSD (PCIe 5.0 x4)", 14e9, 100e-6,
                 source="PCIe 5.0 x4 NVMe sequential read, the fastest datacenter drives' datasheet class")
-TIERS = (HOST_DRAM, NVME_SSD)
+# A pool in the DRAM of the whole cluster (Mooncake Store): each GPU of an HGX H100/H200 node has its own
+# 400 Gb/s NIC (50 GB/s); the latency, a lookup at the store's master and the RDMA set-up, is assumed.
+CLUSTER_RDMA = Tier("cluster DRAM over RDMA (one 400 Gb/s NIC a GPU)", 50e9, 100e-6,
+                    source="ConnectX-7 400 Gb/s line rate per GPU; 100 us per load assumed")
+TIERS = (HOST_DRAM, NVME_SSD)  # one device's own tiers (chapter 6)
 
 
 def load_seconds(cfg: ModelConfig, deployment: Deployment, tier: Tier, hit: int, precision: str = "native") -> float:
