@@ -458,11 +458,13 @@ for k, (kind, label) in enumerate((("none", "each instance's own cache"), ("stor
         got = [over_windows(r, HEAVY, kind, key) for r in ROUTERS]
         ax.bar(x + (k - 0.5) * 0.38, [g.mean for g in got], 0.38, label=label, color=f"C{k}",
                yerr=[[g.mean - g.min for g in got], [g.max - g.mean for g in got]], capsize=3)
-for ax, ylabel in zip(axes, ("usable hit rate (fraction of prompt tokens)", "TTFT p99 (simulated s)")):
+for ax, ylabel, title in zip(axes, ("usable hit rate (fraction of prompt tokens)", "TTFT p99 (simulated s)"),
+                             ("What routing finds in cache", "Tail TTFT")):
     ax.set_xticks(x, ROUTERS, rotation=15)
-    ax.set(ylabel=ylabel, title=f"{HEAVY}x the trace's rate, 8 instances (bars: min-max over windows)")
-axes[0].legend(loc="upper left", frameon=False)
-fig.suptitle("With a shared store every router finds the same hits, and balancing load decides the tail")
+    ax.set(ylabel=ylabel, title=f"{title} (whiskers: min-max over {len(WINDOWS)} windows)")
+axes[1].legend(loc="upper right", frameon=False)
+fig.suptitle(f"{HEAVY}x the trace's rate on 8 instances: with a shared store every router finds about the same "
+             "hits, and balance decides the tail")
 plots.save(fig, "ch10-shared-store")
 plt.show()
 
@@ -482,8 +484,8 @@ for r in ("least-work", "prefix-affinity"):
               f"{over_windows(r, HEAVY, kind, 'ttft_p99_s').mean:.2f} s")
 
 # %% [markdown]
-# The store erases the hit gap: every router finds the same usable hit, because a turn
-# finds its history wherever it lands. What separates routers then is balance. Least-work
+# The store erases the hit gap: every router finds about the same usable hit, because a
+# turn finds its history wherever it lands. What separates routers then is balance. Least-work
 # with the store has the lowest tail of all, and beats the best cache-aware router
 # without one in every window, though by less than the windows' spread (a tie by the
 # book's rule). Least-loaded stays behind: it balances requests, not work. At a tenth of
@@ -753,7 +755,8 @@ plt.show()
 #   and only the chunk step's verdict carries its band over the 36 kernel sets.
 # - **Routers differ only under heavy load**: load-only routers lose the cache (usable hit
 #   0.070 against 0.241 at 40 times the rate), and scoring states barely changes
-#   SGLang's rule when every turn leaves one.
+#   SGLang's rule when every turn leaves one. With a store the instances share (the
+#   deep dive), every router finds about the same hits, and balance decides the tail.
 # - Near the knee a failure costs capacity more than cache; fair admission keeps a quiet
 #   tenant out of a flood's backlog.
 # - Honest scope: prefixes of real traces, a cost model, not a cluster.

@@ -190,7 +190,7 @@ def test_experiment_cli_part_b(tmp_path, capsys):
     assert "| variant |" in capsys.readouterr().out
     for bad in (["--part", "c"], ["--instances", "0"], ["--price", "-2"], ["--requests", "x"], ["--seeds", "0"],
                 ["--scale", "huge"], ["--host-ratio", "-1"], ["--store-ratio", "-1"],
-                ["--host-ratio", "1", "--store-ratio", "2"]):
+                ["--host-ratio", "1", "--store-ratio", "2"], ["--overlap-loads"]):
         with pytest.raises(SystemExit) as exc:
             main(["experiment", *bad, "--out", str(tmp_path)])
         assert exc.value.code == 2
@@ -275,5 +275,10 @@ def test_part_b_tiers_are_sized_from_the_pools_and_checked():
         tier_keywords(kimi_linear_48b, dep, 1000, 4, host_ratio=1, store_ratio=1)
     with pytest.raises(ValueError, match="store_ratio"):
         tier_keywords(kimi_linear_48b, dep, 1000, 4, store_ratio=-1)
+    with pytest.raises(ValueError, match="overlap_loads"):
+        tier_keywords(kimi_linear_48b, dep, 1000, 4, overlap_loads=True)
+    assert tier_keywords(kimi_linear_48b, dep, 1000, 4, host_ratio=1, overlap_loads=True) == {
+        "overlap_loads": True, "host_bytes": pool}
+    assert "layer by layer" in tier_note(1.0, None, True)["host_tier"]
     row = conversation_goodput(variant(BASELINE), n_requests=120, instances=2, orders=1, store_ratio=2.0)
     assert row["goodput"] > 0 and row["usable_hit_rate"] > 0

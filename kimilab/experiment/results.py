@@ -132,6 +132,10 @@ def run(args) -> int:
     from kimilab.experiment.tables import part_b_table
 
     writable_dir("--out", args.out)  # before any work: a run must not end in a failed write
+    if args.overlap_loads and args.host_ratio is None and args.store_ratio is None:
+        print("python -m kimilab experiment: error: --overlap-loads: expected --host-ratio or --store-ratio "
+              "(without a tier nothing is loaded)", file=sys.stderr)
+        raise SystemExit(2)
     ok = True
     if args.part in ("a", "all"):
         result = run_part_a(args.out, n_sessions=args.sessions, repeats=args.repeats)
@@ -146,7 +150,8 @@ def run(args) -> int:
         given = {"n_requests": args.requests, "instances": args.instances, "agent_instances": args.agent_instances,
                  "agent_duration_s": None if args.agent_minutes is None else 60.0 * args.agent_minutes,
                  "orders": args.orders, "tune": None if args.tune is None else tune_grid(args.tune),
-                 "host_ratio": args.host_ratio, "store_ratio": args.store_ratio}
+                 "host_ratio": args.host_ratio, "store_ratio": args.store_ratio,
+                 "overlap_loads": args.overlap_loads or None}
         kwargs = part_b_arguments(args.scale, **{k: v for k, v in given.items() if v is not None})
         if args.tune == "none":
             kwargs["tune"] = None
@@ -207,6 +212,9 @@ def add_arguments(parser) -> None:
                              "DRAM), this many times their HBM pools together, written through over RDMA "
                              "(kimilab.experiment.tiers); it shares only between instances, so use it with more "
                              "than one")
+    parser.add_argument("--overlap-loads", action="store_true",
+                        help="part B, with --host-ratio or --store-ratio: load layer by layer under each step's "
+                             "compute (SGLang's HiCache) instead of before it")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,

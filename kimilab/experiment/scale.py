@@ -183,13 +183,13 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
                          orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
                          scheduler: dict | None = None, host_ratio: float | None = None,
-                         store_ratio: float | None = None) -> dict:
+                         store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
     ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
-    ``host_ratio``, ``store_ratio``: as in :func:`agent_capacity`."""
+    ``host_ratio``, ``store_ratio``, ``overlap_loads``: as in :func:`agent_capacity`."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -221,15 +221,15 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
                    part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
                    scheduler: dict | None = None, host_ratio: float | None = None,
-                   store_ratio: float | None = None) -> dict:
+                   store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
     :func:`conversation_goodput`; ``host_ratio``, ``store_ratio``: a host tier under each instance's cache,
-    or a store they share (:mod:`kimilab.experiment.tiers`; None: none)."""
+    or a store they share, loaded before each step or under it (``overlap_loads``; :mod:`kimilab.experiment.tiers`)."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -380,13 +380,14 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
                sessions: Path | str | None = None, tune: dict | None = None, host_ratio: float | None = None,
-               store_ratio: float | None = None, progress=None) -> dict:
+               store_ratio: float | None = None, overlap_loads: bool = False, progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
     requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``,
-    ``store_ratio``: a host tier under every instance's cache, or a store they share (:func:`agent_capacity`). ``progress(line)`` hears of each
+    ``store_ratio``, ``overlap_loads``: a host tier under every instance's cache, or a store they share
+    (:func:`agent_capacity`). ``progress(line)`` hears of each
     variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
@@ -412,7 +413,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
             raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
     for w in kw:
-        kw[w].update(check_ratios(host_ratio, store_ratio))
+        kw[w].update(check_ratios(host_ratio, store_ratio, overlap_loads))
     t0 = time.perf_counter()
     rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers, progress=progress)
     from kimilab.experiment.results import _version
@@ -427,7 +428,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}
-    result["config"].update(tier_note(host_ratio, store_ratio))
+    result["config"].update(tier_note(host_ratio, store_ratio, overlap_loads))
     if out is not None:
         import json
 

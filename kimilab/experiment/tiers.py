@@ -7,6 +7,10 @@ Two options a production deployment turns on, as ratios to what it already has:
 * ``store_ratio``: one store the fleet's instances share (Mooncake Store pools the cluster's DRAM
   this way), that many times all their HBM pools together, on the cluster's RDMA links; every
   instance writes each block and state through to it as it is computed.
+
+With either, ``overlap_loads`` loads layer by layer under each step's compute (SGLang's HiCache)
+instead of before it (vLLM's LMCache and Mooncake connectors by default):
+:meth:`kimilab.engine.InstanceMemory.step_seconds`.
 """
 
 from __future__ import annotations
@@ -17,32 +21,40 @@ from kimilab.validate import check_float
 __all__ = ["check_ratios", "tier_keywords", "tier_note"]
 
 
-def check_ratios(host_ratio: float | None, store_ratio: float | None) -> dict:
-    """The ratios given, checked (each >= 0, at most one of them), as keywords."""
+def check_ratios(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False) -> dict:
+    """The options given, checked (each ratio >= 0, at most one of them, overlap only with one), as keywords."""
     if host_ratio is not None and store_ratio is not None:
         raise ValueError("host_ratio, store_ratio: expected one tier under the cache, an instance's own or shared")
-    return {name: check_float(name, x, minimum=0.0)
-            for name, x in (("host_ratio", host_ratio), ("store_ratio", store_ratio)) if x is not None}
+    out = {name: check_float(name, x, minimum=0.0)
+           for name, x in (("host_ratio", host_ratio), ("store_ratio", store_ratio)) if x is not None}
+    if overlap_loads:
+        if not out:
+            raise ValueError("overlap_loads: expected host_ratio or store_ratio (without a tier nothing is loaded)")
+        out["overlap_loads"] = True
+    return out
 
 
 def tier_keywords(cfg, dep, capacity_tokens: int, instances: int, host_ratio: float | None = None,
-                  store_ratio: float | None = None) -> dict:
+                  store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
     """The fleet's keywords for these tiers (``host_bytes`` or ``store_bytes``, bytes per device)."""
-    ratios = check_ratios(host_ratio, store_ratio)
+    opts = check_ratios(host_ratio, store_ratio, overlap_loads)
     pool = capacity_tokens * costs.kv_bytes_per_token(cfg, dep)  # one instance's HBM pool, on one device
-    if "host_ratio" in ratios:
-        return {"host_bytes": ratios["host_ratio"] * pool}
-    if "store_ratio" in ratios:
-        return {"store_bytes": ratios["store_ratio"] * instances * pool}
-    return {}
+    out = {"overlap_loads": True} if overlap_loads else {}
+    if "host_ratio" in opts:
+        out["host_bytes"] = opts["host_ratio"] * pool
+    if "store_ratio" in opts:
+        out["store_bytes"] = opts["store_ratio"] * instances * pool
+    return out
 
 
-def tier_note(host_ratio: float | None, store_ratio: float | None) -> dict:
+def tier_note(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False) -> dict:
     """What a result's ``config`` says about its tier (nothing without one)."""
+    loads = ("each step loads layer by layer under its compute" if overlap_loads
+             else "each step waits for the loads before it")
     if host_ratio is not None:
         return {"host_tier": f"host DRAM of {host_ratio:g}x each instance's HBM pool under its prefix cache "
-                             "(kimilab.prefix.host); each step waits for the loads before it"}
+                             f"(kimilab.prefix.host); {loads}"}
     if store_ratio is not None:
         return {"shared_store": f"one store of {store_ratio:g}x the instances' HBM pools together, shared by them "
-                                "over RDMA, written through (kimilab.prefix.host); each step waits for its loads"}
+                                f"over RDMA, written through (kimilab.prefix.host); {loads}"}
     return {}
