@@ -432,7 +432,7 @@ sjobs = {(r, s, w, kind): at(r, s, w, **tier) for r in ROUTERS for s in SCALES[1
          for kind, tier in (("none", {}), ("store", STORE))}
 sjobs |= {(r, HEAVY, w, "slow"): at(r, HEAVY, w, **SLOW) for r in ("least-work", "prefix-affinity") for w in WINDOWS}
 shared = dict(zip(sjobs, stored("ch10_store", fleet_summaries, runs=list(sjobs.values()))))
-print(f"the store's link: {CLUSTER_RDMA.name}, {CLUSTER_RDMA.bandwidth / 1e9:.0f} GB/s a device, "
+print(f"the store's link: {CLUSTER_RDMA.name},\n  {CLUSTER_RDMA.bandwidth / 1e9:.0f} GB/s a device, "
       f"{CLUSTER_RDMA.latency_s * 1e6:.0f} us per load ({CLUSTER_RDMA.source})")
 
 
@@ -474,7 +474,7 @@ lw, best_aware = over_windows("least-work", HEAVY, "store", "ttft_p99_s"), over_
 paired = sum(shared["least-work", HEAVY, w, "store"]["ttft_p99_s"] < shared["state-aware", HEAVY, w, "none"]["ttft_p99_s"]
              for w in WINDOWS)
 print(f"least-work with the store against state-aware without: TTFT p99 {lw.mean:.2f} s against "
-      f"{best_aware.mean:.2f} s, {compare(lw, best_aware, 'ttft_p99_s')} by the spread rule "
+      f"{best_aware.mean:.2f} s,\n  {compare(lw, best_aware, 'ttft_p99_s')} by the spread rule "
       f"(lower in {paired} of {len(WINDOWS)} windows)")
 for r in ("least-work", "prefix-affinity"):
     for kind in ("store", "slow"):
