@@ -451,6 +451,21 @@ show_table(rows, ["router", "hit", "hit, store", "TTFT p99 (s)", "TTFT p99, stor
            title=f"{HEAVY}x the trace's rate, 8 instances, mean ± spread over {len(WINDOWS)} windows")
 
 # %%
+lw, best_aware = over_windows("least-work", HEAVY, "store", "ttft_p99_s"), over_windows("state-aware", HEAVY, "none",
+                                                                                         "ttft_p99_s")
+paired = sum(shared["least-work", HEAVY, w, "store"]["ttft_p99_s"] < shared["state-aware", HEAVY, w, "none"]["ttft_p99_s"]
+             for w in WINDOWS)
+print(f"least-work with the store against state-aware without: TTFT p99 {lw.mean:.2f} s against "
+      f"{best_aware.mean:.2f} s,\n  {compare(lw, best_aware, 'ttft_p99_s')} by the spread rule "
+      f"(lower in {paired} of {len(WINDOWS)} windows)")
+for r in ("least-work", "prefix-affinity"):
+    for kind in ("store", "slow"):
+        runs = [shared[r, HEAVY, w, kind]["store"] for w in WINDOWS]
+        share = sum(o["load_seconds"] for o in runs) / sum(o["saved_seconds"] for o in runs)
+        print(f"{r:<15} {kind:>5} link: loads take {share:.1%} of the prefill seconds they save; TTFT p99 "
+              f"{over_windows(r, HEAVY, kind, 'ttft_p99_s').mean:.2f} s")
+
+# %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.0))
 x = np.arange(len(ROUTERS))
 for k, (kind, label) in enumerate((("none", "each instance's own cache"), ("store", "+ a shared store"))):
@@ -468,24 +483,12 @@ fig.suptitle(f"{HEAVY}x the trace's rate on 8 instances: with a shared store eve
 plots.save(fig, "ch10-shared-store")
 plt.show()
 
-# %%
-lw, best_aware = over_windows("least-work", HEAVY, "store", "ttft_p99_s"), over_windows("state-aware", HEAVY, "none",
-                                                                                         "ttft_p99_s")
-paired = sum(shared["least-work", HEAVY, w, "store"]["ttft_p99_s"] < shared["state-aware", HEAVY, w, "none"]["ttft_p99_s"]
-             for w in WINDOWS)
-print(f"least-work with the store against state-aware without: TTFT p99 {lw.mean:.2f} s against "
-      f"{best_aware.mean:.2f} s,\n  {compare(lw, best_aware, 'ttft_p99_s')} by the spread rule "
-      f"(lower in {paired} of {len(WINDOWS)} windows)")
-for r in ("least-work", "prefix-affinity"):
-    for kind in ("store", "slow"):
-        runs = [shared[r, HEAVY, w, kind]["store"] for w in WINDOWS]
-        share = sum(o["load_seconds"] for o in runs) / sum(o["saved_seconds"] for o in runs)
-        print(f"{r:<15} {kind:>5} link: loads take {share:.1%} of the prefill seconds they save; TTFT p99 "
-              f"{over_windows(r, HEAVY, kind, 'ttft_p99_s').mean:.2f} s")
-
 # %% [markdown]
-# The store erases the hit gap: every router finds about the same usable hit, because a
-# turn finds its history wherever it lands. What separates routers then is balance. Least-work
+# Takeaway: with a shared store every router finds about the same usable hit, and balance
+# decides the tail.
+#
+# The store erases the hit gap because a turn finds its history wherever it lands. What
+# separates routers then is balance. Least-work
 # with the store has the lowest tail of all, and beats the best cache-aware router
 # without one in every window, though by less than the windows' spread (a tie by the
 # book's rule). Least-loaded stays behind: it balances requests, not work. At a tenth of
