@@ -277,6 +277,9 @@ def _assert_same_cache(a, b):
        st.integers(100, 250), st.booleans())
 @example(5694, "every-block", 102, False).via(
     "make fuzz, seed 1805273041: eviction handed a running request's shared KV pages to a new checkpoint")
+@example(0, "every-block", 105, False).via(
+    "make fuzz, seed 1244363229: the path's new checkpoints took the pages the request's own KV needed")
+@example(3270, "every-block", 103, False).via("make fuzz, seed 1244363229: the same, another prompt set")
 def test_prefill_from_a_hit_equals_a_cold_prefill(tiny_model, seed, name, capacity_blocks, partial):
     """Adopted KV pages + a restored checkpoint give the cold prefill's logits and final cache;
     a request kept running while the next one shares its pages is not disturbed; decoding on

@@ -328,11 +328,7 @@ class HybridPrefixCache:
         for node in path:
             ck = node.payload
             if ck is not None and not ck.computed and node.refcount == 0:
-                node.payload = None
-                tree.release(ck.alloc, self._checkpoint_key)
-                self.n_checkpoints -= 1
-                self.checkpoints_admitted -= 1
-                self.pages_admitted -= self.checkpoint_pages
+                self.withdraw(node)
         for node in reversed(path):
             if node.computed or node.refcount or node.children or not node.alive:
                 break  # an ancestor of a block that stays, stays too
@@ -340,6 +336,18 @@ class HybridPrefixCache:
             tree.n_evicted -= 1  # taken back, not evicted
             self.pages_admitted -= tree.allocs_per_node
         self._requeue_checkpoints(path)
+
+    def withdraw(self, node) -> None:
+        """Take back the checkpoint :meth:`begin` admitted at ``node`` before anything computed it (its
+        request leaves, or needs the room for its own pages): its pages return to the pool."""
+        ck = node.payload
+        if ck is None or ck.computed:
+            raise ValueError(f"node ending at {node.end}: expected an uncomputed checkpoint to withdraw")
+        node.payload = None
+        self.tree.release(ck.alloc, self._checkpoint_key)
+        self.n_checkpoints -= 1
+        self.checkpoints_admitted -= 1
+        self.pages_admitted -= self.checkpoint_pages
 
     def finish(self, path, start: int = 0) -> None:
         """Unpin a request's path after its whole prompt was computed from ``path[start]`` on

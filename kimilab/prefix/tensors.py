@@ -20,6 +20,8 @@ into pages someone else reads), and a partial last block (copy-on-write).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kimilab.costs import LOCAL, CacheCosts
@@ -143,6 +145,14 @@ class ModelPrefixCache:
             outcome, path, usable_node, added = cache.begin(tokens=tokens)
             try:
                 shared = self.shared_blocks(path, outcome.usable_hit, outcome.matched_blocks)
+                # its own KV pages come before the checkpoints begin() admitted for its path: those
+                # are pinned with it, so if the rest of the pool cannot hold its pages, the deepest go
+                need = len(cfg.attn_layers) * (-(-len(tokens) // self.block_size) - sum(shared))
+                if added and not cache.make_room(need):
+                    while added and not cache.make_room(need):
+                        cache.withdraw(added.pop())
+                    outcome = replace(outcome, checkpoints_added=len(added),
+                                      checkpoint_positions=tuple(node.end for node in added))
                 blocks = self._blocks(path, shared, outcome.usable_hit, owner)
                 own = [a for layer in blocks.values() for a, keep in zip(layer, shared) if not keep]
                 state = None
