@@ -1,15 +1,13 @@
 """A continuous-batching engine on the hybrid cache, on deterministic simulated time.
 
-Each step serves every decoding request one token and fills the rest of a token
-budget with prefill chunks (chunked prefill, as vLLM and SGLang schedule).
-Requests are admitted against ONE page pool (:class:`InstanceMemory`) that also
-holds the prefix cache: an admitted request pins its prompt's blocks in the
-cache (its usable hit is where its prefill starts), takes pages for its live
-KDA/conv states and for its KV past the cached blocks, and grows one page at a
-time while decoding. When the pool is full (after evicting unpinned cache) the
-newest running request is preempted and later recomputed from its usable hit;
-a finished request unpins its blocks, which stay cached. A step is ONE forward
-pass of its decodes and prefill chunks, timed by :class:`kimilab.costs.StepTimer`
+Each step serves every decoding request one token and fills the rest of a token budget with
+prefill chunks (chunked prefill, as vLLM and SGLang schedule). Requests are admitted against ONE
+page pool (:class:`InstanceMemory`) that also holds the prefix cache: an admitted request pins its
+prompt's blocks in the cache (its usable hit is where its prefill starts), takes pages for its live
+KDA/conv states and for its KV past the cached blocks, and grows one page at a time while decoding.
+When the pool is full (after evicting unpinned cache) the newest running request is preempted and
+later recomputed from its usable hit; a finished request unpins its blocks, which stay cached. A
+step is ONE forward pass of its decodes and prefill chunks, timed by :class:`kimilab.costs.StepTimer`
 on the engine's :class:`~kimilab.costs.Deployment` (the weights read once, each
 request's KV and states once, communication and the per-layer overhead); pages are
 per device of that deployment. Steps that only decode are fast-forwarded in one go
@@ -24,11 +22,10 @@ is its slow twin: a standalone loop written from the rules above that walks ever
 request each step and shares none of this scheduling code (only the pool and caches, the
 records, the step timer, the gap log and the queues); a test holds the two equal.
 
-``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every
-decision of this one loop -- admission, each step's chunks and decodes (a
-fast-forwarded run of k decode steps is handed over as k, and run token by
-token), preemption, finish -- and carries them out for real; the decisions and
-times stay exactly those of the accounting run.
+``executor=`` (e.g. :class:`kimilab.engine.tensor.TensorExecutor`) is told every decision of this
+one loop -- admission, each step's chunks and decodes (a fast-forwarded run of k decode steps is
+handed over as k, and run token by token), preemption, finish -- and carries them out for real;
+the decisions and times stay exactly those of the accounting run.
 """
 
 from __future__ import annotations
@@ -299,9 +296,17 @@ class Engine(DecodeClock):
             assert queue.pop() is live
             self._queued_blocks -= live.req.input_length // self.block
             queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)  # after the pop: it reorders
-            running.append(live)
-            prefilling.append(live)
+            self._run(live)
             pending += live.ctx - live.done
+
+    def _run(self, live: Live) -> None:
+        """An admitted request runs: it prefills, or decodes at once if its whole context is here
+        (handed over by a prefill instance, :mod:`kimilab.engine.disagg`)."""
+        self.running.append(live)
+        if live.done < live.ctx:
+            self._prefilling.append(live)
+        else:
+            self._anchor(live)
 
     def _step(self, until: float) -> bool:
         """Run one step (or a run of identical decode steps); False if there was nothing to run."""
@@ -317,8 +322,7 @@ class Engine(DecodeClock):
             self._queued_blocks -= live.req.input_length // self.block
             if self._admit(live):
                 queue.charge(live.req.tenant, prompt_tokens=live.ctx - live.hit)
-                running.append(live)
-                self._prefilling.append(live)
+                self._run(live)
             else:
                 self.refused.append(live)
                 self._backlog -= live.req.input_length + live.generated

@@ -42,6 +42,10 @@ class Live:
     g0: int = 0
     gen0: int = 0
     epoch: int = 0  # bumped when it starts or stops decoding: older heap entries are stale
+    # handed over by a prefill instance (kimilab.engine.disagg): its next admission takes the KV it
+    # brings instead of prefilling; ``payload`` is what an executor handed over with it (tensors)
+    handed_over: bool = False
+    payload: object = None
 
     @property
     def decoding(self) -> bool:

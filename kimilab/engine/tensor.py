@@ -85,6 +85,12 @@ class Executor:
     def drop(self, live: Live) -> None:
         """``live`` lost its memory (preempted, or its instance failed)."""
 
+    def hand_off(self, live: Live) -> object:
+        """``live``'s prefill is done here and it moves to a decode instance: what goes with it."""
+
+    def receive(self, live: Live, payload: object) -> None:
+        """``live`` was admitted with the context a prefill instance handed over (``payload``)."""
+
     def finish(self, live: Live) -> None:
         """``live`` made its last token."""
 
@@ -143,6 +149,16 @@ class TensorExecutor(Executor):
     def drop(self, live: Live) -> None:
         self._caches.pop(live, None)
         self._start.pop(live, None)
+
+    def hand_off(self, live: Live) -> tuple:
+        """Its cache (the prompt's KV and states) and the token its prefill made."""
+        return self._caches.pop(live), list(self.tokens[live.req.request_id])
+
+    def receive(self, live: Live, payload: tuple) -> None:
+        cache, made = payload
+        assert cache.seq_len == live.req.input_length + len(made) - 1, (cache.seq_len, len(made))
+        self._start.pop(live, None)
+        self._caches[live], self.tokens[live.req.request_id] = cache, list(made)
 
     def finish(self, live: Live) -> None:
         made = self.tokens[live.req.request_id]

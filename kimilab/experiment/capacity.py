@@ -208,12 +208,14 @@ def two_halves(sessions=None, *, variants=HALVES_VARIANTS, orders: int = ORDERS,
 
 
 def corner_goodputs(pairs: dict, schedulers: dict, *, n_requests: int, rel_tol: float, start: float,
-                    agent_duration_s: float, deployment: str | None = None, host_ratio: float | None = None) -> list[dict]:
+                    agent_duration_s: float, deployment: str | None = None, host_ratio: float | None = None,
+                    instances: int = 1, prefill: dict | None = None) -> list[dict]:
     """Each variant of ``pairs`` (workload ``"chat"``/``"agents"`` -> variant names) at the central kernel
     set and the band's two corners (:func:`band_corners`), order 0: one row per (workload, set, variant)
     with its goodput row. Chat runs each variant at ``schedulers[name]`` (its tuned setting); agents at
     the default scheduler, as Part B measures them. ``host_ratio``: a host tier under every cache, as in
-    :func:`kimilab.experiment.scale.agent_capacity`."""
+    :func:`kimilab.experiment.scale.agent_capacity`; on ``instances`` instances (``start`` per instance),
+    ``prefill[workload][name]`` of them prefill instances where given (disaggregated)."""
     from kimilab.experiment.scale import agent_capacity, conversation_goodput
 
     corners = band_corners(deployment)
@@ -221,14 +223,15 @@ def corner_goodputs(pairs: dict, schedulers: dict, *, n_requests: int, rel_tol: 
     rows = []
     for workload, names in pairs.items():
         for label, m in sets:
-            kw = dict(instances=1, orders=1, rel_tol=rel_tol, deployment=deployment, host_ratio=host_ratio,
+            kw = dict(instances=instances, orders=1, rel_tol=rel_tol, deployment=deployment, host_ratio=host_ratio,
                       **({} if m is None else {"kernels": m.kernels}))
             for name in names:
+                kw["prefill"] = (prefill or {}).get(workload, {}).get(name)
                 if workload == "chat":
-                    got = conversation_goodput(variant(name), n_requests=n_requests, start=start,
+                    got = conversation_goodput(variant(name), n_requests=n_requests, start=start * instances,
                                                scheduler=schedulers[name], **kw)
                 else:
-                    got = agent_capacity(variant(name), duration_s=agent_duration_s, start=16, **kw)
+                    got = agent_capacity(variant(name), duration_s=agent_duration_s, start=16 * instances, **kw)
                 rows.append({**got, "workload": workload, "set": label, "variant": name})
     return rows
 

@@ -151,8 +151,13 @@ def run(args) -> int:
                  "agent_duration_s": None if args.agent_minutes is None else 60.0 * args.agent_minutes,
                  "orders": args.orders, "tune": None if args.tune is None else tune_grid(args.tune),
                  "host_ratio": args.host_ratio, "store_ratio": args.store_ratio,
-                 "overlap_loads": args.overlap_loads or None}
+                 "overlap_loads": args.overlap_loads or None, "prefill": args.prefill}
         kwargs = part_b_arguments(args.scale, **{k: v for k, v in given.items() if v is not None})
+        for key in ("instances", "agent_instances"):
+            if args.prefill is not None and kwargs[key] <= args.prefill:
+                print(f"python -m kimilab experiment: error: --prefill={args.prefill}: expected fewer than part B's "
+                      f"{kwargs[key]} {key.replace('_', ' ')} (--{key.replace('_', '-')})", file=sys.stderr)
+                raise SystemExit(2)
         if args.tune == "none":
             kwargs["tune"] = None
         result = run_part_b(args.out, deployment=args.deployment, price_per_hour=args.price, workers=args.workers,
@@ -215,6 +220,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overlap-loads", action="store_true",
                         help="part B, with --host-ratio or --store-ratio: load layer by layer under each step's "
                              "compute (SGLang's HiCache) instead of before it")
+    tiers.add_argument("--prefill", type=positive_int_arg, default=None, metavar="N",
+                       help="part B, instead of a tier: disaggregate, N of each workload's instances only prefill and "
+                            "hand each request's KV and states to the rest, which only decode (kimilab.fleet.disagg); "
+                            "needs more instances than N (--instances, --agent-instances)")
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,

@@ -44,7 +44,7 @@ from kimilab.experiment import tuning
 from kimilab.experiment.spread import Spread, compare  # noqa: F401  (importable from here as before)
 from kimilab.experiment.tiers import check_ratios, tier_keywords, tier_note
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
-from kimilab.fleet import Fleet, run_fleet
+from kimilab.fleet import open_fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
 from kimilab.parallel import default_workers, pool_map
 from kimilab.fleet.goodput import (AGENT_SLO, MOONCAKE_SLO, SloGuard, priced, rate_grid, scan_capacity,
@@ -135,10 +135,10 @@ def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | N
     return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
 
 
-def _base_row(v: Variant, workload: str, dep, instances: int) -> dict:
+def _base_row(v: Variant, workload: str, dep, instances: int, prefill: int | None = None) -> dict:
     return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
             "router": v.router, "deployment": dep.name, "instances": instances,
-            "scheduler": {k: getattr(dep, k) for k in SCHEDULER_KNOBS}}
+            "scheduler": {k: getattr(dep, k) for k in SCHEDULER_KNOBS}} | ({"prefill": prefill} if prefill else {})
 
 
 def _order(k: int, scan, load_key: str, goodput: float, priced_: dict | None, extra: dict) -> dict:
@@ -183,13 +183,13 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
                          orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
                          scheduler: dict | None = None, host_ratio: float | None = None,
-                         store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
+                         store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
     ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
-    ``host_ratio``, ``store_ratio``, ``overlap_loads``: as in :func:`agent_capacity`."""
+    ``host_ratio``, ``store_ratio``, ``overlap_loads``, ``prefill``: as in :func:`agent_capacity`."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -213,7 +213,7 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
             extra = {"requests_per_s": len(reqs) / span, "usable_hit_rate": res.usable_hit_rate(),
                      "kv_hit_rate": float(res.kv_hit.sum() / res.input_tokens.sum()), "preemptions": res.preemptions}
         per.append(_order(k, scan, "max_rate_scale", p["requests_per_s_per_instance"] if p else 0.0, p, extra))
-    return _summary(_base_row(v, "conversation", dep, instances), per, results, slo, t0)
+    return _summary(_base_row(v, "conversation", dep, instances, prefill), per, results, slo, t0)
 
 
 def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, orders: int = ORDERS,
@@ -221,15 +221,16 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
                    part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
                    scheduler: dict | None = None, host_ratio: float | None = None,
-                   store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
+                   store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
     :func:`conversation_goodput`; ``host_ratio``, ``store_ratio``: a host tier under each instance's cache,
-    or a store they share, loaded before each step or under it (``overlap_loads``; :mod:`kimilab.experiment.tiers`)."""
+    or a store they share, loaded before each step or under it (``overlap_loads``); ``prefill``: that many of
+    the instances prefill, the rest decode (:mod:`kimilab.experiment.tiers`)."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads)
+    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -245,8 +246,8 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
     t0, per, results = time.perf_counter(), [], []
     for k in range(check_int("orders", orders, 1)):
         def run(n, k=k):
-            with Fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
-                       block_size=BLOCK, **tier) as fleet:
+            with open_fleet(cfg, instances, v.router, deployment=dep, capacity_tokens=cap, policy=policy,
+                            block_size=BLOCK, **tier) as fleet:
                 return run_closed_loop(fleet, sessions, concurrency=n, duration_s=duration_s, seed=k)
 
         scan = scan_capacity(run, slo, session_grid(start, rel_tol), start=start, confirm=confirm)
@@ -258,7 +259,7 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                      "usable_hit_rate": float(res.usable_hit.sum() / res.input_tokens.sum()),
                      "preemptions": res.preemptions}
         per.append(_order(k, scan, "max_sessions", scan.capacity / instances, p, extra))
-    row = _base_row(v, "agents", dep, instances)
+    row = _base_row(v, "agents", dep, instances, prefill)
     if part is not None:
         row["part"] = list(part)
     return _summary(row, per, results, slo, t0)
@@ -282,7 +283,8 @@ TUNE_WINDOW_S = 240.0  # agents: each closed-loop replay's window
 
 
 def _tuning_kwargs(workload: str, kwargs: dict) -> dict:
-    """``kwargs`` moved to one instance and a slice of the traffic, for :func:`tune_variant`."""
+    """``kwargs`` moved to one instance (colocated) and a slice of the traffic, for :func:`tune_variant`."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "prefill"}
     if workload == "conversation":
         n = kwargs.get("n_requests")
         return dict(kwargs, instances=1, n_requests=TUNE_REQUESTS if n is None else min(n, TUNE_REQUESTS))
@@ -380,14 +382,15 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                workloads=("conversation", "agents"), workers: int | None = None, deployment: str | None = None,
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
                sessions: Path | str | None = None, tune: dict | None = None, host_ratio: float | None = None,
-               store_ratio: float | None = None, overlap_loads: bool = False, progress=None) -> dict:
+               store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None,
+               progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
     requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``,
-    ``store_ratio``, ``overlap_loads``: a host tier under every instance's cache, or a store they share
-    (:func:`agent_capacity`). ``progress(line)`` hears of each
+    ``store_ratio``, ``overlap_loads``: a host tier under every instance's cache, or a store they share;
+    ``prefill``: disaggregated, that many instances prefill (:func:`agent_capacity`). ``progress(line)`` hears of each
     variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
@@ -413,7 +416,9 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
             raise ValueError(f"tune[{w!r}]={grid!r}: expected a workload of {list(workloads)} -> (budgets, seqs)")
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
     for w in kw:
-        kw[w].update(check_ratios(host_ratio, store_ratio, overlap_loads))
+        kw[w].update(check_ratios(host_ratio, store_ratio, overlap_loads, prefill))
+        if prefill is not None and kw[w]["instances"] <= prefill:
+            raise ValueError(f"prefill={prefill}: expected fewer than the {w} run's {kw[w]['instances']} instances")
     t0 = time.perf_counter()
     rows = variant_rows(variants, {w: kw[w] for w in workloads}, workers=workers, progress=progress)
     from kimilab.experiment.results import _version
@@ -428,7 +433,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}
-    result["config"].update(tier_note(host_ratio, store_ratio, overlap_loads))
+    result["config"].update(tier_note(host_ratio, store_ratio, overlap_loads, prefill))
     if out is not None:
         import json
 

@@ -1,6 +1,6 @@
-"""The memory below the HBM cache in a Part B run: a host tier per instance, or a store they share.
+"""What production turns on around the HBM cache in a Part B run: memory below it, or disaggregation.
 
-Two options a production deployment turns on, as ratios to what it already has:
+Two tiers, as ratios to what a deployment already has:
 
 * ``host_ratio``: each instance's own host DRAM tier (:class:`kimilab.prefix.host.HostTier`), that
   many times its HBM pool's bytes (SGLang's HiCache guide uses 2); what HBM evicts waits there.
@@ -11,18 +11,28 @@ Two options a production deployment turns on, as ratios to what it already has:
 With either, ``overlap_loads`` loads layer by layer under each step's compute (SGLang's HiCache)
 instead of before it (vLLM's LMCache and Mooncake connectors by default):
 :meth:`kimilab.engine.InstanceMemory.step_seconds`.
+
+``prefill``: that many of the instances only prefill and hand each request's context to the rest,
+which only decode (:class:`kimilab.fleet.DisaggregatedFleet`, as Mooncake and SGLang's PD mode run).
 """
 
 from __future__ import annotations
 
 from kimilab import costs
-from kimilab.validate import check_float
+from kimilab.validate import check_float, check_int
 
 __all__ = ["check_ratios", "tier_keywords", "tier_note"]
 
 
-def check_ratios(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False) -> dict:
-    """The options given, checked (each ratio >= 0, at most one of them, overlap only with one), as keywords."""
+def check_ratios(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False,
+                 prefill: int | None = None) -> dict:
+    """The options given, checked (each ratio >= 0, at most one of them, overlap only with one; ``prefill``
+    >= 1 and without a tier), as keywords."""
+    if prefill is not None:
+        if host_ratio is not None or store_ratio is not None:
+            raise ValueError("prefill: a tier under a disaggregated fleet is not modelled; expected no host_ratio "
+                             "or store_ratio with it")
+        return {"prefill": check_int("prefill", prefill, 1)}
     if host_ratio is not None and store_ratio is not None:
         raise ValueError("host_ratio, store_ratio: expected one tier under the cache, an instance's own or shared")
     out = {name: check_float(name, x, minimum=0.0)
@@ -35,9 +45,11 @@ def check_ratios(host_ratio: float | None, store_ratio: float | None, overlap_lo
 
 
 def tier_keywords(cfg, dep, capacity_tokens: int, instances: int, host_ratio: float | None = None,
-                  store_ratio: float | None = None, overlap_loads: bool = False) -> dict:
-    """The fleet's keywords for these tiers (``host_bytes`` or ``store_bytes``, bytes per device)."""
-    opts = check_ratios(host_ratio, store_ratio, overlap_loads)
+                  store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None) -> dict:
+    """The fleet's keywords for these options (``host_bytes`` or ``store_bytes``, bytes per device; ``prefill``)."""
+    opts = check_ratios(host_ratio, store_ratio, overlap_loads, prefill)
+    if prefill is not None:
+        return opts
     pool = capacity_tokens * costs.kv_bytes_per_token(cfg, dep)  # one instance's HBM pool, on one device
     out = {"overlap_loads": True} if overlap_loads else {}
     if "host_ratio" in opts:
@@ -47,8 +59,12 @@ def tier_keywords(cfg, dep, capacity_tokens: int, instances: int, host_ratio: fl
     return out
 
 
-def tier_note(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False) -> dict:
-    """What a result's ``config`` says about its tier (nothing without one)."""
+def tier_note(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False,
+              prefill: int | None = None) -> dict:
+    """What a result's ``config`` says about its tier or disaggregation (nothing without either)."""
+    if prefill is not None:
+        return {"disaggregation": f"{prefill} instance(s) prefill, the rest decode; each request's KV and states "
+                                  "cross one 400 Gb/s NIC a GPU (kimilab.fleet.disagg)"}
     loads = ("each step loads layer by layer under its compute" if overlap_loads
              else "each step waits for the loads before it")
     if host_ratio is not None:

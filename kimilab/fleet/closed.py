@@ -135,22 +135,32 @@ def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, dura
             seen[e.index] = len(fin)
 
     engines = fleet.instances
+    handoffs = getattr(fleet, "next_handoff_s", None)  # a disaggregated fleet's contexts in flight
     while True:
         due = heap[0][0] if heap else math.inf
+        hand = handoffs() if handoffs is not None else math.inf
         busy = [e for e in engines if e.alive and (e.running or len(e.queue))]
         if busy:
-            # advance the engine furthest behind, no further than the next arrival or lookahead_s
-            # past the next-furthest-behind engine (whose finishes may send it a follow-up),
-            # stopping at a finish
+            # advance the engine furthest behind, no further than the next arrival (or hand-over) or
+            # lookahead_s past the next-furthest-behind engine (whose finishes may send it a
+            # follow-up), stopping at a finish
             busy.sort(key=lambda e: (e.clock, e.index))
             e = busy[0]
-            if e.clock < due:
-                until = min(due, busy[1].clock + lookahead_s) if len(busy) > 1 else due
+            nxt = min(due, hand)
+            if e.clock < nxt:
+                until = min(nxt, busy[1].clock + lookahead_s) if len(busy) > 1 else nxt
                 e.advance(until if until > e.clock else e.clock + 1e-12, stop_on_finish=True)
                 collect(e.clock)
                 continue
-        elif due >= duration_s:
+        elif due >= duration_s and hand == math.inf:
             break
+        if hand <= due:  # a prefilled context reaches the decode side before the next request is sent
+            for e in engines:
+                if e.alive and e.clock < hand:
+                    e.advance(hand)
+            collect(hand)
+            fleet.deliver_next()
+            continue
         due, _, k, j = heapq.heappop(heap)
         for e in engines:  # idle engines wait at the arrival (busy ones are there already)
             if e.alive and e.clock < due:

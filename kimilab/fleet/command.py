@@ -1,8 +1,9 @@
 """``python -m kimilab fleet``: serve traces on a fleet of simulated engines, print one JSON object.
 
 Its options (:func:`add_arguments`) and what it runs (:func:`run`): each trace file is a tenant,
-and the fleet's router, isolation, failures, and the memory below each cache (a host tier of its
-own, or a store the instances share) are the options of :class:`kimilab.fleet.Fleet`.
+and the fleet's router, isolation, failures, the memory below each cache (a host tier of its
+own, or a store the instances share) and disaggregation (``--prefill``) are the options of
+:func:`kimilab.fleet.open_fleet`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overlap-loads", action="store_true",
                         help="with --host-gb or --store-gb: load layer by layer under the step's compute, as "
                              "SGLang's HiCache does, instead of before it")
+    parser.add_argument("--prefill", type=positive_int_arg, default=None, metavar="N",
+                        help="disaggregate: N of the --instances only prefill (behind --router) and hand each "
+                             "request's KV and states over a 400 Gb/s NIC a GPU to the rest, which only decode "
+                             "(kimilab.fleet.disagg)")
 
 
 def failure_arg(text: str) -> tuple[int, float]:
@@ -82,6 +87,14 @@ def run(args, parser) -> int:
         if not tier:
             parser.error("--overlap-loads: expected --host-gb or --store-gb (there is nothing to load without one)")
         tier["overlap_loads"] = True
+    if args.prefill is not None:
+        if args.prefill >= args.instances:
+            parser.error(f"--prefill={args.prefill}: expected fewer than --instances={args.instances} (the rest decode)")
+        for flag, given in (("--fail", args.fail), ("--host-gb", args.host_gb is not None),
+                            ("--store-gb", args.store_gb is not None), ("--isolation quota", args.isolation == "quota")):
+            if given:
+                parser.error(f"--prefill: {flag} is not modelled with disaggregation; expected one or the other")
+        tier["prefill"] = args.prefill
     try:
         requests = load_tenants(args.traces)
     except (ValueError, OSError) as err:

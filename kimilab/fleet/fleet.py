@@ -27,7 +27,7 @@ from kimilab.prefix.host import HostTier
 from kimilab.prefix.offload import CLUSTER_RDMA, Tier
 from kimilab.validate import check_float, check_int
 
-__all__ = ["Fleet", "ISOLATION", "MAX_INSTANCES", "MAX_SIMULATED_S", "run_fleet", "shared_timer"]
+__all__ = ["Fleet", "ISOLATION", "MAX_INSTANCES", "MAX_SIMULATED_S", "open_fleet", "run_fleet", "shared_timer"]
 
 ISOLATION = ("none", "quota")
 
@@ -84,10 +84,15 @@ class Fleet:
         self.store = None if store_bytes is None else HostTier(store_bytes, store_link)
         if self.store is not None:
             engine_kw["store"] = self.store
-        self.instances = [engine_class(config, deployment=deployment, capacity_tokens=capacity_tokens, quotas=quotas,
-                                       fair=isolation == "quota", timer=timer, index=i, dp_device=dp, **engine_kw)
+        self.instances = [self._new_engine(engine_class, config, deployment=deployment,
+                                           capacity_tokens=capacity_tokens, quotas=quotas, fair=isolation == "quota",
+                                           timer=timer, index=i, dp_device=dp, **engine_kw)
                           for i in range(n_engines)]
         self.failures: list[tuple[int, float]] = []
+
+    def _new_engine(self, engine_class: type, config: ModelConfig, **kw) -> Engine:
+        """Instance ``kw["index"]`` (a subclass may build a different kind per index)."""
+        return engine_class(config, **kw)
 
     def close(self) -> None:
         """Done with the fleet: free every engine's pool and caches now, not at the cyclic collector's
@@ -171,20 +176,39 @@ class Fleet:
                     return res
             for index, t in pending_fails:
                 self.fail(index, t)
-            for e in self.alive():
-                e.drain()
+            self._drain()
             return FleetResult.of(self, len(requests), time.perf_counter() - start)
+
+    def _drain(self) -> None:
+        """After the last arrival: every live instance runs until nothing is left."""
+        for e in self.alive():
+            e.drain()
 
 
 MAX_INSTANCES = 10_000  # simulated engines in one fleet: each is a Python object stepping on its own
 MAX_SIMULATED_S = 1e10  # seconds: a float clock there still resolves 2 microseconds, far below a step
 
 
+def open_fleet(config: ModelConfig, instances: int, router: str, *, prefill: int | None = None, **kw) -> Fleet:
+    """A :class:`Fleet` of ``instances``; with ``prefill`` (1 .. instances - 1) a disaggregated one, that many
+    of them prefill instances and the rest decode instances (:class:`~kimilab.fleet.disagg.DisaggregatedFleet`)."""
+    if prefill is None:
+        return Fleet(config, instances, router, **kw)
+    from kimilab.fleet.disagg import DisaggregatedFleet
+
+    instances, prefill = check_int("instances", instances, 2), check_int("prefill", prefill, 1)
+    if prefill >= instances:
+        raise ValueError(f"prefill={prefill}: expected 1 .. instances - 1 = {instances - 1} (the rest decode)")
+    return DisaggregatedFleet(config, prefill, instances - prefill, router, **kw)
+
+
 def run_fleet(requests: Sequence, config: ModelConfig, *, deployment: Deployment, instances: int, router: str,
               capacity_tokens: int | None, isolation: str = "none", rate_scale: float = 1.0,
-              fails: Sequence[tuple[int, float]] = (), guard=None, **engine_kw) -> FleetResult:
-    """One fleet run (the CLI's ``fleet`` command, and the chapter's experiments)."""
+              fails: Sequence[tuple[int, float]] = (), guard=None, prefill: int | None = None,
+              **engine_kw) -> FleetResult:
+    """One fleet run (the CLI's ``fleet`` command, and the chapter's experiments); ``prefill``: see
+    :func:`open_fleet`."""
     tenants = [r.tenant for r in requests]
-    with Fleet(config, instances, router, deployment=deployment, capacity_tokens=capacity_tokens,
-               isolation=isolation, tenants=tenants, **engine_kw) as fleet:
+    with open_fleet(config, instances, router, prefill=prefill, deployment=deployment,
+                    capacity_tokens=capacity_tokens, isolation=isolation, tenants=tenants, **engine_kw) as fleet:
         return fleet.run(requests, rate_scale=rate_scale, fails=fails, guard=guard)

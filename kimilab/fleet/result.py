@@ -62,6 +62,7 @@ class FleetResult:
     tbt: GapLog = field(default=None, repr=False)  # every gap between output tokens, by time bucket
     busy_buckets: np.ndarray = field(default=None, repr=False)  # the time buckets busy_s's columns are
     store: dict | None = None  # the shared store's counters (kimilab.prefix.host.HostTier.summary), if any
+    transfer: dict | None = None  # prefill-to-decode hand-overs (kimilab.fleet.disagg), if disaggregated
 
     @classmethod
     def of(cls, fleet, n_requests: int, wall: float) -> "FleetResult":
@@ -85,7 +86,8 @@ class FleetResult:
                    fleet.instances[0].bucket_s, busy, list(fleet.failures), wall,
                    col(lambda f: f.request_id, int), len(fleet.instances) * fleet.devices_per_engine,
                    fleet.n_deployed, tbt=GapLog.merged(e.gaps for e in fleet.instances), busy_buckets=buckets,
-                   store=None if fleet.store is None else fleet.store.summary())
+                   store=None if fleet.store is None else fleet.store.summary(),
+                   transfer=fleet.transfer_summary() if hasattr(fleet, "transfer_summary") else None)
 
     @property
     def finished(self) -> int:
@@ -161,5 +163,7 @@ class FleetResult:
                              "busy_fraction": round(float(util[i].sum() / span), 6)} for i in range(self.n_instances)]
         if self.store is not None:
             out["store"] = self.store
+        if self.transfer is not None:
+            out["transfer"] = self.transfer
         out["run_wall_s"] = round(self.wall_seconds, 3)
         return out
