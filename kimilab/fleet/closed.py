@@ -154,7 +154,7 @@ def run_closed_loop(fleet, sessions: list[list[Turn]], *, concurrency: int, dura
                 continue
         elif due >= duration_s and hand == math.inf:
             break
-        if hand <= due:  # a prefilled context reaches the decode side before the next request is sent
+        if hand <= due:  # a prefilled context reaches the decode side before the next request
             for e in engines:
                 if e.alive and e.clock < hand:
                     e.advance(hand)
