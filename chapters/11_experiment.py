@@ -724,10 +724,10 @@ PROMPTS = {"chat": np.array([r.input_length for r in load_trace("../data/" + MOO
            "agents": np.array([t.input_length for s in SESSIONS for t in s])}
 MODELS = {"hybrid": "kimi_linear_48b", "all-MLA bf16": "all_mla_27", "all-MLA fp8": "all_mla_27_fp8kv"}
 moved = {(w, m): handover_bytes(name, PROMPTS[w]) for w in PROMPTS for m, name in MODELS.items()}
-show_table([(w, m, b.mean() / 1e6, np.percentile(b, 99) / 1e6, 1e3 * b.mean() / CLUSTER_RDMA.bandwidth)
-            for (w, m), b in moved.items()], ["prompts", "model", "mean MB", "p99 MB", "mean ms at 50 GB/s"],
-           formats={"mean MB": ".1f", "p99 MB": ".1f", "mean ms at 50 GB/s": ".2f"},
-           title="Bytes one device hands over per request (its share of the KV, plus the hybrid's states)")
+display(show_table([(w, m, b.mean() / 1e6, np.percentile(b, 99) / 1e6, 1e3 * b.mean() / CLUSTER_RDMA.bandwidth)
+                    for (w, m), b in moved.items()], ["prompts", "model", "mean MB", "p99 MB", "mean ms at 50 GB/s"],
+                   formats={"mean MB": ".1f", "p99 MB": ".1f", "mean ms at 50 GB/s": ".2f"},
+                   title="Bytes one device hands over per request (its share of the KV, plus the hybrid's states)"))
 states = handover_bytes("kimi_linear_48b", [0])[0]
 per_token = {m: handover_bytes(name, [1])[0] - handover_bytes(name, [0])[0] for m, name in MODELS.items()}
 print(f"the hybrid's states: {states / 1e6:.1f} MB a request at any length\nit sends more than all-MLA fp8 below "
@@ -771,9 +771,9 @@ BEST_SPLIT = best_splits(SPLITS)
 by_split = {(r["workload"], r["variant"], r["prefill"]): r for r in SPLITS}
 LABELS = {None: "colocated", 1: "1P:3D", 2: "2P:2D", 3: "3P:1D"}
 short = lambda v: v.replace(" + prefix-affinity", "")  # noqa: E731
-show_table([(w, short(v), *(pm(by_split[w, v, p], ".1f") for p in LABELS))
-            for w, names in PD_PAIRS.items() for v in names], ["workload", "variant", *LABELS.values()],
-           title="Goodput per instance on 4 (chat requests/s, agent sessions; mean +- spread)")
+display(show_table([(w, short(v), *(pm(by_split[w, v, p], ".1f") for p in LABELS))
+                    for w, names in PD_PAIRS.items() for v in names], ["workload", "variant", *LABELS.values()],
+                   title="Goodput per instance on 4 (chat requests/s, agent sessions; mean +- spread)"))
 show_table([(w, short(v), LABELS[best["prefill"]], compare(best, co), co["ttft_limit_pct_s"],
              best["ttft_limit_pct_s"], co["tbt_limit_pct_s"], best["tbt_limit_pct_s"])
             for (w, v), (co, best) in BEST_SPLIT.items()],

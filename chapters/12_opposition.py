@@ -1020,12 +1020,12 @@ def tally(verdicts):
     return ", ".join(f"{sum(v == w for v in verdicts)} {w}" for w in ("better", "tie", "worse"))
 
 
-show_table([("host tier (2x HBM, ch. 11)", "goodput", tally(tier_vs.values())),
-            ("shared store (2x HBM, ch. 10)", "TTFT p99", tally(store_vs.values())
-             + f"; lower in {sum(paired)} of {len(paired)} windows"),
-            ("disaggregation, best split (ch. 11)", "goodput", tally(pd_vs.values()))],
-           ["option", "measure", "against without it (mean over orders or windows)"],
-           title="Each option against not using it; a gap inside the spread is a tie")
+display(show_table([("host tier (2x HBM, ch. 11)", "goodput", tally(tier_vs.values())),
+                    ("shared store (2x HBM, ch. 10)", "TTFT p99", tally(store_vs.values())
+                     + f"; lower in {sum(paired)} of {len(paired)} windows"),
+                    ("disaggregation, best split (ch. 11)", "goodput", tally(pd_vs.values()))],
+                   ["option", "measure", "against without it (mean over orders or windows)"],
+                   title="Each option against not using it; a gap inside the spread is a tie"))
 print(f"at the kernel band's three sets (order 0):\n  the host tier over none {min(tier_gain):.2f}-"
       f"{max(tier_gain):.2f}x ({len(tier_gain)} runs)\n  disaggregation's best split over colocated "
       f"{min(pd_gain):.2f}-{max(pd_gain):.2f}x, above 1 in {sum(g > 1 for g in pd_gain)} of {len(pd_gain)}")
