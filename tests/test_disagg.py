@@ -153,17 +153,10 @@ def test_errors():
 def test_closed_loop_sessions_run_on_a_disaggregated_fleet():
     """Agent sessions, closed loop: each follow-up is sent after its reply, which a decode instance
     streamed; a tight decode pool preempts; every request sent finishes and nothing leaks."""
-    from kimilab.fleet.closed import Turn, run_closed_loop
+    from agent_sessions import random_sessions
+    from kimilab.fleet.closed import run_closed_loop
 
-    rng = np.random.default_rng(1)
-    sessions = []
-    for s in range(6):
-        ids, turns = [], []
-        for j in range(5):
-            ids = ids + [10**6 * (s + 1) + len(ids) + i for i in range(int(rng.integers(1, 4)))]
-            n_in = (len(ids) - 1) * 512 + int(rng.integers(1, 512))
-            turns.append(Turn(n_in, int(rng.integers(1, 600)), tuple(ids), j - 1, float(rng.uniform(0, 1))))
-        sessions.append(turns)
+    sessions = random_sessions(1, block=512)
     with DisaggregatedFleet(kimi_linear_48b, 1, 2, "prefix-affinity", deployment=ONE_H200,
                             capacity_tokens=50 * 512, token_budget=2048, max_batch=4) as fleet:
         res = run_closed_loop(fleet, sessions, concurrency=6, duration_s=20.0, seed=0, start_spread_s=1.0)

@@ -428,17 +428,10 @@ def test_the_twin_checks_admission_growth_and_preemption(monkeypatch):
 def test_the_twin_runs_closed_loop_sessions_like_the_engine():
     """Closed loop: engines advance to the first finish (``stop_on_finish``) and to arbitrary times,
     so decode runs are cut at ``until``; two instances, a pool tight enough to preempt."""
-    from kimilab.fleet.closed import Turn, run_closed_loop
+    from agent_sessions import random_sessions
+    from kimilab.fleet.closed import run_closed_loop
 
-    rng = np.random.default_rng(1)
-    sessions = []
-    for s in range(6):
-        ids, turns = [], []
-        for j in range(5):
-            ids = ids + [10**6 * (s + 1) + len(ids) + i for i in range(int(rng.integers(1, 4)))]
-            n_in = (len(ids) - 1) * B + int(rng.integers(1, B))
-            turns.append(Turn(n_in, int(rng.integers(1, 600)), tuple(ids), j - 1, float(rng.uniform(0, 1))))
-        sessions.append(turns)
+    sessions = random_sessions(1, block=B)
     runs = []
     for cls in (Engine, ReferenceEngine):
         fleet = Fleet(kimi_linear_48b, 2, "prefix-affinity", deployment=ONE_H200, capacity_tokens=50 * B,
