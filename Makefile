@@ -72,7 +72,7 @@ test: $(STAMP)
 # (budget: 10). FUZZ_SEED=N repeats a run.
 FUZZ_TESTS := tests/test_pool.py tests/test_paged.py tests/test_radix.py tests/test_prefix.py tests/test_host_tier.py \
 	tests/test_runs.py tests/test_sim.py tests/test_engine.py tests/test_engine_tensor.py \
-	tests/test_fleet.py tests/test_disagg.py tests/test_spec.py tests/test_cp.py tests/test_segments.py tests/test_cp_layouts.py \
+	tests/test_fleet.py tests/test_disagg.py tests/test_engine_spec.py tests/test_spec.py tests/test_cp.py tests/test_segments.py tests/test_cp_layouts.py \
 	tests/test_cli_fuzz.py
 fuzz: $(STAMP)
 	@seed=$${FUZZ_SEED:-$$($(BIN)/python -c 'import secrets; print(secrets.randbelow(2**32))')}; \

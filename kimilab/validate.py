@@ -80,6 +80,11 @@ def nonnegative_float_arg(text: str) -> float:
     return _number_arg(text, float, "a number", lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
+def probability_arg(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    return _number_arg(text, float, "a number", lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+
+
 _INF = ("inf", "infinity", "unbounded")  # what an "or inf" argument accepts for no limit
 
 
@@ -95,6 +100,14 @@ def gb_or_inf_arg(text: str) -> float:
     if text.strip().lower() in _INF:
         return math.inf
     return nonnegative_float_arg(text)
+
+
+SPEC_HELP = ("speculative decoding in every engine: K drafts a step, each accepted with probability --spec-alpha "
+             "given the ones before it (swept, not measured: the book's models are untrained), verified in one "
+             "forward, rolled back with chapter 8's cheapest strategy (kimilab.engine.speculation)")
+ALPHA_HELP = "with --spec-k: the acceptance probability of each draft"
+DRAFTER_HELP = ("with --spec-k: mtp, one more layer whose weights, KV and k forwards a step are counted; ngram, "
+                "prompt lookup, free")
 
 
 HOST_GB_HELP = ("GB of host DRAM per device under the prefix cache: what HBM evicts (KV blocks and states) is kept "

@@ -228,15 +228,32 @@ class StepTimer:
             t = self._fixed[tokens] = parts["overhead"] + parts["communication"] + parts["weights"]
         return t
 
-    def step(self, n_decode: int, context_sum: int, chunks: Sequence[tuple[int, int]] = ()) -> float:
-        """:func:`step_seconds` with ``decode=(n_decode, context_sum)`` and ``chunks``."""
+    def step(self, n_decode: int, context_sum: int, chunks: Sequence[tuple[int, int]] = (),
+             positions: int = 1) -> float:
+        """:func:`step_seconds` with ``decode=(n_decode, context_sum)`` and ``chunks``. With
+        ``positions`` > 1 each decoder is a speculative verify of that many positions: a chunk of
+        ``positions`` tokens on its context (the step is then :func:`step_seconds` with those chunks
+        added; a test holds the two equal)."""
         if not self._plain:
+            if positions != 1:
+                raise ValueError(f"positions={positions}: a verify step is timed under tensor parallelism only "
+                                 f"(deployment={self.deployment.name!r})")
             return step_seconds(self.cfg, self.deployment, decode=(n_decode, context_sum), chunks=chunks)
-        tokens = n_decode
         kv, state = self._kv, self._state
-        cache_bytes = context_sum * kv + n_decode * (kv + 2 * state)
-        attn = n_decode * self._dec_attn + context_sum * self._key
-        kda = n_decode * self._dec_kda
+        if positions == 1:
+            tokens = n_decode
+            cache_bytes = context_sum * kv + n_decode * (kv + 2 * state)
+            attn = n_decode * self._dec_attn + context_sum * self._key
+            kda = n_decode * self._dec_kda
+        else:  # n_decode chunks of ``positions`` tokens, their cached contexts summing to context_sum
+            tokens = n_decode * positions
+            cold = self._cold.get(positions)
+            if cold is None:
+                cold = self._cold[positions] = (attention_prefill_flops(self.cfg, positions, 0),
+                                                kda_prefill_flops(self.cfg, positions))
+            cache_bytes = (context_sum + n_decode * positions) * kv + n_decode * 2 * state
+            attn = n_decode * cold[0] + positions * context_sum * self._pair
+            kda = n_decode * cold[1]
         for c, h in chunks:
             tokens += c
             cold = self._cold.get(c)

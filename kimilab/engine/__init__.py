@@ -7,6 +7,7 @@ Step times are :class:`kimilab.costs.StepTimer`'s: one forward pass per step on 
 * ``live``      Live (a request being served) and Finished (what it measured)
 * ``gaps``      GapHistogram and GapLog: the time between tokens, token by token, in bounded memory
 * ``engine``    Engine: chunked prefill, admission, preemption by recompute, fast-forwarded decode
+* ``speculation`` Speculation: k drafts verified in every decode step, acceptance swept, costs counted
 * ``tensor``    TensorExecutor: the same loop on the reduced model's real tensors (== Model.generate alone)
 """
 
@@ -15,7 +16,8 @@ from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.gaps import GapHistogram, GapLog
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
+from kimilab.engine.speculation import Speculation
 from kimilab.engine.tensor import Executor, TensorExecutor, serve
 
-__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory",
+__all__ = ["Engine", "prompt_of", "FairQueue", "FifoQueue", "Finished", "Live", "InstanceMemory", "Speculation",
            "Executor", "TensorExecutor", "serve", "GapHistogram", "GapLog"]

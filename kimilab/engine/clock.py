@@ -1,6 +1,7 @@
 """Decoding requests on a decode clock: what the engine needs of them in O(1) per step.
 
-Every decoding request makes the same number of tokens in a step, so the engine keeps
+Every decoding request makes the same number of tokens in a step (one; with speculation, the
+step's accepted drafts plus one, :mod:`kimilab.engine.speculation`), so the engine keeps
 one counter ``G`` (tokens each decoder has made since the engine started) and anchors a
 request when it starts decoding: its ``generated`` is ``gen0 + G - g0``. The batch's
 summed context is one running sum, and two heaps say, in decode-clock ticks, when the
@@ -13,6 +14,8 @@ instead, and a test holds the two equal.
 from __future__ import annotations
 
 import heapq
+
+import math
 
 from kimilab.engine.live import Live
 
@@ -46,13 +49,13 @@ class DecodeClock:
         self._push_grow(live)
 
     def _push_grow(self, live: Live) -> None:
-        slack = live.base + live.own_tokens - live.req.input_length - live.generated - 1
+        slack = live.base + live.own_tokens - live.req.input_length - live.generated - 1 - self._lookahead
         self._serial += 1
         heapq.heappush(self._grow_heap, (self._G + slack, self._serial, live.epoch, live))
 
     def _sync(self, live: Live) -> None:
         """Bring a decoder's ``generated`` up to the decode clock."""
-        live.generated = live.gen0 + self._G - live.g0
+        live.generated = min(live.gen0 + self._G - live.g0, live.req.output_length)  # a verify may overshoot
 
     def _leave(self, live: Live) -> None:
         """``live`` stops decoding here (finished, preempted or lost): its ``generated`` made current."""
@@ -87,3 +90,24 @@ class DecodeClock:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
+
+    def _plan(self, n_dec: int, ctx: int, pieces: list, jump: bool, until: float) -> tuple[int, float, list | None]:
+        """(steps, seconds each, tokens each decoder keeps per step or None for one) of what runs now:
+        one step, or with ``jump`` the run of decode-only steps up to the next event (a decoder that
+        needs a page or makes its last token), at most to ``until``, timed at its middle context."""
+        spec, G = self.spec, self._G
+        first = None if spec is None else [spec.spec.tokens(self.n_steps)]
+        dt = self.timer.step(n_dec, ctx, pieces) if spec is None else spec.step(n_dec, ctx, pieces, first)
+        if not jump:
+            return 1, dt, first
+        need = min(self._top(self._done_heap), self._top(self._grow_heap) + 1) - G  # decode-clock ticks
+        limit = need if until == math.inf else min(need, max(1, math.ceil((until - self.clock) / dt)))
+        if spec is None:
+            k = max(limit, 1)
+            if k > 1:  # contexts grow by one a step: time the run at its middle context
+                dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
+            return k, dt, None
+        k, kept = spec.spec.steps_to(self.n_steps, need, limit)
+        if k > 1:  # contexts grow by the tokens kept: time the run at its middle context
+            dt = spec.step(n_dec, ctx + n_dec * sum(kept[:-1]) // 2, pieces, kept)
+        return k, dt, kept

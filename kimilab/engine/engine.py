@@ -41,6 +41,7 @@ from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.gaps import GapLog
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
+from kimilab.engine.speculation import Speculation, spec_timer
 from kimilab.prefix.policies import Placement
 from kimilab.validate import check_int
 
@@ -67,7 +68,7 @@ class Engine(DecodeClock):
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
                  dp_device: bool = False, host_bytes: float | None = None, host_link=None, store=None,
-                 overlap_loads: bool = False):
+                 overlap_loads: bool = False, speculation: Speculation | None = None):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         if token_budget is None:
             token_budget = deployment.max_batched_tokens
@@ -92,6 +93,8 @@ class Engine(DecodeClock):
         if self.timer.deployment != deployment or self.timer.cfg != config:
             raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
                              f"expected {config.name} on {deployment.name}")
+        self.spec = spec_timer(config, deployment, speculation, self.timer, dp)
+        self._lookahead = speculation.k if speculation is not None else 0  # KV slots a verify writes ahead
         self.queue = FairQueue() if fair else FifoQueue()
         self._fair = fair  # only fair queues count the tokens each tenant was served
         self.index, self.bucket_s = index, bucket_s
@@ -173,7 +176,7 @@ class Engine(DecodeClock):
     def fits_alone(self, req) -> bool:
         """Could the request run in an empty pool (its blocks, states and a checkpoint or two)?"""
         mem = self.memory
-        pages = -(-(req.input_length + req.output_length + 1) // self.block) + 3 * mem.state_pages
+        pages = -(-(req.input_length + req.output_length + 1 + self._lookahead) // self.block) + 3 * mem.state_pages
         return pages <= mem.pool.n_pages
 
     def submit(self, live: Live) -> None:
@@ -252,7 +255,7 @@ class Engine(DecodeClock):
     def _grow(self, live: Live) -> bool:
         """Room for one more token of a decoding request; False if it was preempted itself."""
         mem = self.memory
-        while live.base + live.own_tokens < live.req.input_length + live.generated + 1:
+        while live.base + live.own_tokens < live.req.input_length + live.generated + 1 + self._lookahead:
             if mem.make_room(live.req.tenant, 1):
                 live.allocs.append(mem.pool.allocate("kv", 1))
                 live.own_tokens += self.block
@@ -335,7 +338,7 @@ class Engine(DecodeClock):
                 if self._grow(live):
                     self._push_grow(live)
         n_dec = self._n_dec
-        budget = self.budget - n_dec
+        budget = self.budget - n_dec * (1 + self._lookahead)  # a verify takes its drafts from the budget too
         chunks = []
         for live in self._prefilling:
             if budget <= 0:
@@ -345,21 +348,14 @@ class Engine(DecodeClock):
             budget -= c
         ctx = self._ctx_base + n_dec * G
         pieces = [(c, live.done) for live, c in chunks]
-        dt = self.timer.step(n_dec, ctx, pieces)  # one forward pass: decodes and chunks together
-        k = 1
-        if not chunks and (self._blocked or not len(queue)):  # nothing changes until an event: jump
-            k = min(self._top(self._done_heap), self._top(self._grow_heap) + 1) - G
-            if until != math.inf:
-                k = min(k, max(1, math.ceil((until - self.clock) / dt)))
-            k = max(k, 1)
-            if k > 1:  # contexts grow by one a step: time the run at its middle context
-                dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
+        jump = not chunks and (self._blocked or not len(queue))  # nothing changes until an event
+        k, dt, kept = self._plan(n_dec, ctx, pieces, jump, until)
         if self.memory.host is not None and (load := self.memory.take_link_seconds()):
             if k > 1:  # host-tier loads since the last step: one step, which waits for them (or overlaps them)
-                k, dt = 1, self.timer.step(n_dec, ctx, pieces)
+                k, dt, kept = self._plan(n_dec, ctx, pieces, False, until)
             dt = self.memory.step_seconds(dt, load)
         if self.executor is not None:  # real tensors: k decode steps token by token, and the chunks
-            self.executor.run([live for live in running if live.decoding_now], chunks, k)
+            self.executor.run([live for live in running if live.decoding_now], chunks, k, kept)
         start = self.clock
         self.clock += k * dt
         self._record_busy(start, k * dt)
@@ -368,12 +364,15 @@ class Engine(DecodeClock):
             self.steps.append((start, dt, k, n_dec, sum(c for _, c in chunks)))
         if n_dec:  # steps run back to back while anything decodes: each decoder's gap is the step
             self.gaps.add_run(start, dt, k, n_dec)
-        self._G = G = G + k
-        if self._fair:  # each decoder was served k tokens
+        made = k if kept is None else sum(kept)  # tokens each decoder made in the run
+        self._G = G = G + made
+        done = self._due(self._done_heap, G + 1)  # decoders that made their last token (perhaps fewer than made)
+        if self._fair:  # each decoder was served its tokens
             for tenant, n in self._dec_tenants.items():
                 if n:
-                    queue.charge(tenant, output_tokens=k * n)
-        done = self._due(self._done_heap, G + 1)  # decoders that made their last token
+                    queue.charge(tenant, output_tokens=made * n)
+            for live in done:  # a speculative step may yield more than a finishing decoder needed
+                queue.charge(live.req.tenant, output_tokens=live.req.output_length - live.gen0 - G + live.g0)
         for live, c in chunks:
             live.done += c
             self._backlog -= c

@@ -25,6 +25,7 @@ from kimilab.engine.fairness import FairQueue, FifoQueue
 from kimilab.engine.gaps import GapLog
 from kimilab.engine.live import Finished, Live
 from kimilab.engine.memory import InstanceMemory
+from kimilab.engine.speculation import spec_timer
 from kimilab.prefix.policies import Placement
 from kimilab.validate import check_int
 
@@ -52,7 +53,7 @@ class ReferenceEngine:
                  quotas: dict[str, float] | None = None, fair: bool = False, timer: StepTimer | None = None,
                  index: int = 0, bucket_s: float = 10.0, keep_steps: bool = False, executor=None,
                  dp_device: bool = False, host_bytes: float | None = None, host_link=None, store=None,
-                 overlap_loads: bool = False):
+                 overlap_loads: bool = False, speculation=None):
         self.config, self.block = config, check_int("block_size", block_size, 1)
         self.budget = check_int("token_budget", deployment.max_batched_tokens if token_budget is None
                                 else token_budget, 1, unit="tokens per step")
@@ -73,6 +74,8 @@ class ReferenceEngine:
         if self.timer.deployment != deployment or self.timer.cfg != config:
             raise ValueError(f"timer: built for {self.timer.cfg.name} on {self.timer.deployment.name}, "
                              f"expected {config.name} on {deployment.name}")
+        self.spec = spec_timer(config, deployment, speculation, self.timer, dp)  # verify steps' seconds
+        self.ahead = 0 if speculation is None else speculation.k  # KV slots a verify writes past the context
         self.queue = FairQueue() if fair else FifoQueue()
         self.index, self.bucket_s = index, bucket_s
         self.running: list[Live] = []  # in admission order
@@ -130,7 +133,7 @@ class ReferenceEngine:
     # ----- requests ------------------------------------------------------------------------
     def fits_alone(self, req) -> bool:
         """Its whole context's blocks, its states and a checkpoint or two, in an empty pool."""
-        pages = -(-(req.input_length + req.output_length + 1) // self.block) + 3 * self.memory.state_pages
+        pages = -(-(req.input_length + req.output_length + 1 + self.ahead) // self.block) + 3 * self.memory.state_pages
         return pages <= self.memory.pool.n_pages
 
     def submit(self, live: Live) -> None:
@@ -202,7 +205,7 @@ class ReferenceEngine:
         """Pages until a decoding request's KV holds its context and the token it makes next,
         preempting the newest running request while the pool is full (it may be ``live`` itself)."""
         mem = self.memory
-        while live.base + live.own_tokens < live.req.input_length + live.generated + 1:
+        while live.base + live.own_tokens < live.req.input_length + live.generated + 1 + self.ahead:
             if mem.make_room(live.req.tenant, 1):
                 live.allocs.append(mem.pool.allocate("kv", 1))
                 live.own_tokens += self.block
@@ -263,7 +266,7 @@ class ReferenceEngine:
             if live in running and live.done >= live.ctx:
                 self._make_page_room(live)
         decoders = [live for live in running if live.done >= live.ctx]
-        room = self.budget - len(decoders)  # a token each; prefill chunks fill the rest, oldest first
+        room = self.budget - len(decoders) * (1 + self.ahead)  # a token each (and its drafts); prefill chunks fill the rest
         chunks = []
         for live in running:
             if live.done < live.ctx and room > 0:
@@ -272,22 +275,32 @@ class ReferenceEngine:
         n_dec = len(decoders)
         ctx = sum(live.req.input_length + live.generated for live in decoders)
         pieces = [(c, live.done) for live, c in chunks]
-        dt = self.timer.step(n_dec, ctx, pieces)
+        spec = self.spec  # with speculation, every decoder keeps the same tokens in a step
+        kept = None if spec is None else [spec.spec.tokens(self.n_steps)]
+        dt = self.timer.step(n_dec, ctx, pieces) if spec is None else spec.step(n_dec, ctx, pieces, kept)
         k = 1
         if not chunks and (self.blocked or not len(queue)):  # only decodes, and nobody can be admitted
-            k = min(min(live.req.output_length - live.generated,  # its last token
-                        live.base + live.own_tokens - live.req.input_length - live.generated)  # its next page
-                    for live in decoders)
-            if until != math.inf:
-                k = min(k, max(1, math.ceil((until - self.clock) / dt)))
-            k = max(k, 1)
-            if k > 1:  # timed at the run's middle context
-                dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
+            need = min(min(live.req.output_length - live.generated,  # its last token
+                           live.base + live.own_tokens - live.req.input_length - live.generated - self.ahead)
+                       for live in decoders)  # ... or its next page
+            limit = need if until == math.inf else min(need, max(1, math.ceil((until - self.clock) / dt)))
+            if spec is None:
+                k = max(limit, 1)
+                if k > 1:  # timed at the run's middle context
+                    dt = self.timer.step(n_dec, ctx + n_dec * (k - 1) // 2, pieces)
+            else:  # steps until the tokens kept reach ``need``
+                while len(kept) < limit and sum(kept) < need:
+                    kept.append(spec.spec.tokens(self.n_steps + len(kept)))
+                k = len(kept)
+                if k > 1:
+                    dt = spec.step(n_dec, ctx + n_dec * sum(kept[:-1]) // 2, pieces, kept)
         load = self.memory.take_link_seconds()  # host-tier loads admitted since the last step
         if load > 0:  # this step waits for them, or overlaps them: one step, longer by what is left
-            k, dt = 1, self.memory.step_seconds(self.timer.step(n_dec, ctx, pieces), load)
+            kept = None if spec is None else kept[:1]
+            one = self.timer.step(n_dec, ctx, pieces) if spec is None else spec.step(n_dec, ctx, pieces, kept)
+            k, dt = 1, self.memory.step_seconds(one, load)
         if self.executor is not None:
-            self.executor.run(decoders, chunks, k)
+            self.executor.run(decoders, chunks, k, kept)
         start = self.clock
         self.clock += k * dt
         self._add_busy(start, k * dt)
@@ -298,9 +311,10 @@ class ReferenceEngine:
             self.gaps.add_run(start, dt, k, n_dec)
         served: dict[str, int] = {}
         for live in decoders:
-            live.generated += k
+            made = min(k if kept is None else sum(kept), live.req.output_length - live.generated)
+            live.generated += made
             live.last_token_s = self.clock
-            served[live.req.tenant] = served.get(live.req.tenant, 0) + k
+            served[live.req.tenant] = served.get(live.req.tenant, 0) + made
         for tenant, n in served.items():
             queue.charge(tenant, output_tokens=n)
         for live, c in chunks:

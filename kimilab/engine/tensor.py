@@ -56,6 +56,8 @@ from kimilab.engine.live import Live
 from kimilab.model import HybridCache, Model
 from kimilab.prefix import make_policy
 from kimilab.prefix.host import TieredPrefixCache
+from kimilab.speculative import greedy_accept, make_rollback, verify
+from kimilab.speculative.loop import _scratch_pool
 
 __all__ = ["Executor", "TensorExecutor", "serve", "submit"]
 
@@ -78,9 +80,11 @@ class Executor:
     def admit(self, live: Live, usable_node) -> None:
         """``live`` was admitted: ``live.path`` is pinned, ``live.hit`` is where its prefill starts."""
 
-    def run(self, decoders: list[Live], chunks: list[tuple[Live, int]], k: int) -> None:
+    def run(self, decoders: list[Live], chunks: list[tuple[Live, int]], k: int, kept: list[int] | None = None) -> None:
         """One step (before the engine counts it): each ``(live, c)`` prefills ``c`` tokens from
-        ``live.done``; each decoder makes ``k`` tokens (``k > 1`` only when there are no chunks)."""
+        ``live.done``; each decoder makes ``k`` tokens (``k > 1`` only when there are no chunks), or
+        with speculation runs ``k`` verify steps keeping ``kept[i]`` tokens in step i (fewer if it
+        finishes)."""
 
     def drop(self, live: Live) -> None:
         """``live`` lost its memory (preempted, or its instance failed)."""
@@ -110,6 +114,7 @@ class TensorExecutor(Executor):
         self._caches: dict[Live, HybridCache] = {}  # running requests' caches (made at their first chunk)
         self._store: dict[object, tuple[object, HybridCache]] = {}  # checkpoint -> (node, snapshot)
         self._start: dict[Live, object] = {}  # admitted, no cache yet -> its usable node (or None)
+        self._spec: dict[Live, tuple] = {}  # decoding speculatively -> (rollback strategy, greedy reference, start)
         self.store_hit_tokens = 0
         self.chunk_log: list[tuple[int, int, int]] = []
 
@@ -149,6 +154,9 @@ class TensorExecutor(Executor):
     def drop(self, live: Live) -> None:
         self._caches.pop(live, None)
         self._start.pop(live, None)
+        spec = self._spec.pop(live, None)
+        if spec is not None:
+            spec[0].close()
 
     def hand_off(self, live: Live) -> tuple:
         """Its cache (the prompt's KV and states) and the token its prefill made."""
@@ -163,12 +171,56 @@ class TensorExecutor(Executor):
     def finish(self, live: Live) -> None:
         made = self.tokens[live.req.request_id]
         assert len(made) == live.req.output_length, (live.req.request_id, len(made), live.req.output_length)
+        spec = self._spec.get(live)
+        if spec is not None:  # the strategy's last word: the cache ends as plain decoding leaves it
+            spec[0].finish(self._caches[live])
         self.drop(live)
 
-    def run(self, decoders: list[Live], chunks: list[tuple[Live, int]], k: int) -> None:
+    # ----- speculative decoding ------------------------------------------------------
+    def _speculate(self, live: Live, cache: HybridCache, made: list[int], kept: list[int]) -> None:
+        """Verify steps on ``live``'s real cache with the engine's rollback strategy: draft k tokens,
+        verify them in one forward, keep the agreed ones and the target's own token, roll back.
+
+        The drafts are an instrument (as :class:`~kimilab.speculative.ControlledDrafter` is): the
+        target's greedy continuation, computed once per admission, with the draft after the
+        ``kept[i] - 1`` the engine drew made wrong. The tokens kept are the verify's own argmax, so
+        they equal greedy decoding only if the verify and the rollback are exact; that each step
+        keeps exactly what the engine drew is asserted."""
+        spec = self.engine.spec
+        k, vocab, want = spec.spec.k, self.model.config.vocab_size, live.req.output_length
+        entry = self._spec.get(live)
+        if entry is None:
+            pool, _ = _scratch_pool(self.model, cache, spec.strategy, k)
+            strategy = make_rollback(spec.strategy, self.model, pool, k, owner=f"spec-{live.req.request_id}")
+            reference = self.model.generate(list(self.context(live)[:live.req.input_length]) + made,
+                                            want - len(made) + k)
+            entry = self._spec[live] = (strategy, reference, len(made))
+        strategy, reference, start = entry
+        for m in kept:
+            if len(made) >= want:
+                break
+            at = len(made) - start
+            drafts = [int(t) for t in reference[at:at + k]]
+            if m <= k:  # the (m)th draft is rejected: make it wrong
+                drafts[m - 1] = (drafts[m - 1] + 1) % vocab
+            window = [made[-1]] + drafts
+            logits, captures, view = verify(self.model, window, strategy.current(cache))
+            strategy.save(view, captures)
+            j, bonus = greedy_accept(drafts, logits)
+            if j != m - 1:
+                raise AssertionError(f"request {live.req.request_id}: the verify kept {j} drafts, the engine drew "
+                                     f"{m - 1} (a rollback left a wrong state)")
+            new = (drafts[:j] + [bonus])[:want - len(made)]
+            strategy.restore(cache, list(range(len(new))))
+            made += new
+
+    def run(self, decoders: list[Live], chunks: list[tuple[Live, int]], k: int, kept: list[int] | None = None) -> None:
         model = self.model
         for live in decoders:  # each absorbs its last token and reads the next, k times
             cache, made = self._caches[live], self.tokens[live.req.request_id]
+            if kept is not None:  # speculative: k verify steps, each keeping what the engine drew
+                self._speculate(live, cache, made, kept)
+                continue
             assert cache.seq_len == live.req.input_length + len(made) - 1
             for _ in range(k):
                 made.append(int(np.argmax(model.decode(made[-1], cache))))

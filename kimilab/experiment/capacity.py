@@ -209,13 +209,14 @@ def two_halves(sessions=None, *, variants=HALVES_VARIANTS, orders: int = ORDERS,
 
 def corner_goodputs(pairs: dict, schedulers: dict, *, n_requests: int, rel_tol: float, start: float,
                     agent_duration_s: float, deployment: str | None = None, host_ratio: float | None = None,
-                    instances: int = 1, prefill: dict | None = None) -> list[dict]:
+                    instances: int = 1, prefill: dict | None = None, speculation: dict | None = None) -> list[dict]:
     """Each variant of ``pairs`` (workload ``"chat"``/``"agents"`` -> variant names) at the central kernel
     set and the band's two corners (:func:`band_corners`), order 0: one row per (workload, set, variant)
     with its goodput row. Chat runs each variant at ``schedulers[name]`` (its tuned setting); agents at
     the default scheduler, as Part B measures them. ``host_ratio``: a host tier under every cache, as in
     :func:`kimilab.experiment.scale.agent_capacity`; on ``instances`` instances (``start`` per instance),
-    ``prefill[workload][name]`` of them prefill instances where given (disaggregated)."""
+    ``prefill[workload][name]`` of them prefill instances where given (disaggregated); ``speculation``: the
+    fields of the :class:`~kimilab.engine.Speculation` every engine decodes with."""
     from kimilab.experiment.scale import agent_capacity, conversation_goodput
 
     corners = band_corners(deployment)
@@ -224,7 +225,7 @@ def corner_goodputs(pairs: dict, schedulers: dict, *, n_requests: int, rel_tol: 
     for workload, names in pairs.items():
         for label, m in sets:
             kw = dict(instances=instances, orders=1, rel_tol=rel_tol, deployment=deployment, host_ratio=host_ratio,
-                      **({} if m is None else {"kernels": m.kernels}))
+                      speculation=speculation, **({} if m is None else {"kernels": m.kernels}))
             for name in names:
                 kw["prefill"] = (prefill or {}).get(workload, {}).get(name)
                 if workload == "chat":

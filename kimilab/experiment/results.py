@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kimilab.config import tiny
 from kimilab.experiment.second import CONFIGS, second_request, sessions
+from kimilab.fleet.command import add_spec_arguments, spec_fields
 from kimilab.model import Model
 from kimilab.validate import HelpWithDefaults, check_int, nonnegative_float_arg, positive_int_arg, writable_dir
 
@@ -151,7 +152,8 @@ def run(args) -> int:
                  "agent_duration_s": None if args.agent_minutes is None else 60.0 * args.agent_minutes,
                  "orders": args.orders, "tune": None if args.tune is None else tune_grid(args.tune),
                  "host_ratio": args.host_ratio, "store_ratio": args.store_ratio,
-                 "overlap_loads": args.overlap_loads or None, "prefill": args.prefill}
+                 "overlap_loads": args.overlap_loads or None, "prefill": args.prefill,
+                 "speculation": spec_fields(args, _Parser())}
         kwargs = part_b_arguments(args.scale, **{k: v for k, v in given.items() if v is not None})
         for key in ("instances", "agent_instances"):
             if args.prefill is not None and kwargs[key] <= args.prefill:
@@ -167,6 +169,15 @@ def run(args) -> int:
               f"({result['run_wall_s']:.0f} s wall)")
         ok = ok and all(r["goodput"] > 0 for r in result["rows"] if r["policy"] != "none")
     return 0 if ok else 1
+
+
+class _Parser:
+    """What :func:`~kimilab.fleet.command.spec_fields` needs of a parser: a one-line error, exit 2."""
+
+    @staticmethod
+    def error(message: str) -> None:
+        print(f"python -m kimilab experiment: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 TUNE_CHOICES = ("none", "chat", "all")
@@ -224,6 +235,7 @@ def add_arguments(parser) -> None:
                        help="part B, instead of a tier: disaggregate, N of each workload's instances only prefill and "
                             "hand each request's KV and states to the rest, which only decode (kimilab.fleet.disagg); "
                             "needs more instances than N (--instances, --agent-instances)")
+    add_spec_arguments(parser)
     parser.add_argument("--workers", type=positive_int_arg, default=None,
                         help="part B: processes the variants are spread over (default: cores, at most 4)")
     parser.add_argument("--price", type=nonnegative_float_arg, default=2.0,

@@ -32,17 +32,16 @@ Everything is deterministic except the wall-clock fields, whose names end in ``_
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 
 from kimilab import costs
 from kimilab.experiment import tuning
+from kimilab.experiment.orders import BLOCK, arrival_order, no_reuse, no_reuse_turns
 from kimilab.experiment.spread import Spread, compare  # noqa: F401  (importable from here as before)
-from kimilab.experiment.tiers import check_ratios, tier_keywords, tier_note
+from kimilab.experiment.tiers import check_ratios, spec_note, speculation_of, tier_keywords, tier_note
 from kimilab.experiment.variants import BASELINE, VARIANT_NAMES, VARIANTS, Variant, model_of, variant
 from kimilab.fleet import open_fleet, run_fleet
 from kimilab.fleet.closed import run_closed_loop, session_turns
@@ -59,43 +58,7 @@ __all__ = ["TRACE_PATH", "SESSIONS_PATH", "ORDERS", "no_reuse", "arrival_order",
 DATA = Path(__file__).resolve().parents[2] / "data"
 TRACE_PATH = DATA / MOONCAKE_CONVERSATION
 SESSIONS_PATH = DATA / CLAUDE_CODE
-BLOCK = 512  # the traces' block size (tokens per hash id)
 ORDERS = 5  # orders each number is measured over, by default
-
-
-def no_reuse(requests) -> list:
-    """The same requests with every block given an id no other request uses: no prefix can hit."""
-    out, nxt = [], 1 << 50
-    for r in requests:
-        n = len(r.hash_ids) if r.hash_ids is not None else -(-r.input_length // BLOCK)
-        out.append(dataclasses.replace(r, hash_ids=tuple(range(nxt, nxt + n))))
-        nxt += n
-    return out
-
-
-def _no_reuse_turns(sessions) -> list:
-    nxt = 0
-    out = []
-    for s in sessions:
-        turns = []
-        for t in s:
-            turns.append(dataclasses.replace(t, hash_ids=tuple(range(nxt, nxt + len(t.hash_ids)))))
-            nxt += len(t.hash_ids)
-        out.append(turns)
-    return out
-
-
-def arrival_order(requests, order: int) -> list:
-    """The requests in arrival order ``order``: 0 keeps the trace's timestamps; k > 0 shuffles the gaps
-    between consecutive arrivals (seed k), so the same requests come in the same sequence over the same
-    span at the same mean rate, bunched differently."""
-    order = check_int("order", order, 0)
-    if order == 0 or len(requests) < 3:
-        return list(requests)
-    t = np.array([r.arrival_ms for r in requests], dtype=np.int64)
-    gaps = np.random.default_rng(order).permutation(np.diff(t))
-    new = t[0] + np.concatenate([[0], np.cumsum(gaps)])
-    return [dataclasses.replace(r, arrival_ms=int(a)) for r, a in zip(requests, new)]
 
 
 def cost_per_m_output(accelerator_seconds: float, price_per_hour: float, output_tokens: int) -> float:
@@ -118,10 +81,11 @@ SCHEDULER_KNOBS = ("max_batched_tokens", "max_num_seqs")  # what a serving engin
 
 
 def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | None = None,
-           scheduler: dict | None = None):
+           scheduler: dict | None = None, speculation: dict | None = None):
     """The variant's model, deployment (``deployment`` replaces the tensor-parallel one; ``kernels``
     replaces its kernel numbers, e.g. a member of the band's ensemble; ``scheduler`` sets its
-    ``max_batched_tokens`` and ``max_num_seqs``), policy, pool."""
+    ``max_batched_tokens`` and ``max_num_seqs``), policy, pool (less the drafter's weights and KV
+    with ``speculation``)."""
     dep_name = deployment if deployment and v.deployment == costs.DEFAULT_DEPLOYMENT.name else v.deployment
     cfg, dep = model_of(v.model), costs.deployment(dep_name)
     if kernels is not None:
@@ -132,13 +96,23 @@ def _setup(v: Variant, deployment: str | None = None, kernels: costs.Kernels | N
             raise ValueError(f"scheduler: unknown field(s) {bad}; expected a subset of {list(SCHEDULER_KNOBS)}")
         dep = dep.with_(**{k: check_int(f"scheduler[{k!r}]", x, 1) for k, x in scheduler.items()})
     policy = "kv-only" if v.policy == "none" else v.policy  # unique ids: nothing hits, states never matter
-    return cfg, dep, policy, costs.capacity_tokens(cfg, dep)
+    spec = speculation_of(speculation)
+    return cfg, dep, policy, costs.capacity_tokens(cfg, dep) if spec is None else spec.capacity_tokens(cfg, dep)
 
 
-def _base_row(v: Variant, workload: str, dep, instances: int, prefill: int | None = None) -> dict:
-    return {"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
-            "router": v.router, "deployment": dep.name, "instances": instances,
-            "scheduler": {k: getattr(dep, k) for k in SCHEDULER_KNOBS}} | ({"prefill": prefill} if prefill else {})
+def _options(cfg, dep, cap: int, instances: int, host_ratio, store_ratio, overlap_loads, prefill, speculation) -> dict:
+    """The fleet's keywords for the options production turns on (:mod:`kimilab.experiment.tiers`)."""
+    out = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill)
+    spec = speculation_of(speculation)
+    return out if spec is None else dict(out, speculation=spec)
+
+
+def _base_row(v: Variant, workload: str, dep, instances: int, prefill: int | None = None,
+              speculation: dict | None = None) -> dict:
+    return ({"workload": workload, "variant": v.name, "family": v.family, "model": v.model, "policy": v.policy,
+             "router": v.router, "deployment": dep.name, "instances": instances,
+             "scheduler": {k: getattr(dep, k) for k in SCHEDULER_KNOBS}} | ({"prefill": prefill} if prefill else {})
+            | ({"speculation": dict(speculation)} if speculation else {}))
 
 
 def _order(k: int, scan, load_key: str, goodput: float, priced_: dict | None, extra: dict) -> dict:
@@ -183,13 +157,14 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
                          trace: Path | str | None = None, slo=MOONCAKE_SLO, deployment: str | None = None,
                          orders: int = ORDERS, confirm: int = 2, kernels: costs.Kernels | None = None,
                          scheduler: dict | None = None, host_ratio: float | None = None,
-                         store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None) -> dict:
+                         store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None,
+                         speculation: dict | None = None) -> dict:
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
     ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
-    ``host_ratio``, ``store_ratio``, ``overlap_loads``, ``prefill``: as in :func:`agent_capacity`."""
-    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill)
+    ``host_ratio``, ``store_ratio``, ``overlap_loads``, ``prefill``, ``speculation``: as in :func:`agent_capacity`."""
+    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler, speculation)
+    tier = _options(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill, speculation)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
     if v.policy == "none":
         reqs = no_reuse(reqs)
@@ -213,7 +188,7 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
             extra = {"requests_per_s": len(reqs) / span, "usable_hit_rate": res.usable_hit_rate(),
                      "kv_hit_rate": float(res.kv_hit.sum() / res.input_tokens.sum()), "preemptions": res.preemptions}
         per.append(_order(k, scan, "max_rate_scale", p["requests_per_s_per_instance"] if p else 0.0, p, extra))
-    return _summary(_base_row(v, "conversation", dep, instances, prefill), per, results, slo, t0)
+    return _summary(_base_row(v, "conversation", dep, instances, prefill, speculation), per, results, slo, t0)
 
 
 def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0, orders: int = ORDERS,
@@ -221,16 +196,18 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                    sessions_path: Path | str | None = None, deployment: str | None = None, confirm: int = 2,
                    part: tuple[int, int] | None = None, kernels: costs.Kernels | None = None,
                    scheduler: dict | None = None, host_ratio: float | None = None,
-                   store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None) -> dict:
+                   store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None,
+                   speculation: dict | None = None) -> dict:
     """The most concurrent agent sessions ``instances`` instances serve within ``slo`` (closed loop; a grid
     ``rel_tol`` apart, scanned), in each of ``orders`` session orders (seeds 0, 1, ...: which session each
     slot plays next): their mean, min and max. ``part=(r, m)`` keeps the sessions whose index i has
     i % m == r (the shipped file's two halves: (0, 2) and (1, 2)); ``scheduler`` as in
     :func:`conversation_goodput`; ``host_ratio``, ``store_ratio``: a host tier under each instance's cache,
     or a store they share, loaded before each step or under it (``overlap_loads``); ``prefill``: that many of
-    the instances prefill, the rest decode (:mod:`kimilab.experiment.tiers`)."""
-    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler)
-    tier = tier_keywords(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill)
+    the instances prefill, the rest decode; ``speculation``: the fields of a :class:`~kimilab.engine.Speculation`
+    every engine decodes with (:mod:`kimilab.experiment.tiers`)."""
+    cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler, speculation)
+    tier = _options(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill, speculation)
     duration_s = check_float("duration_s", duration_s, minimum=0.0)
     if duration_s <= slo.warmup_s:
         raise ValueError(f"duration_s={duration_s!r}: expected more than the SLO's {slo.warmup_s:g} s warm-up "
@@ -242,7 +219,7 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
             raise ValueError(f"part={part!r}: expected (r, m) with 0 <= r < m")
         sessions = sessions[r::m]
     if v.policy == "none":
-        sessions = _no_reuse_turns(sessions)
+        sessions = no_reuse_turns(sessions)
     t0, per, results = time.perf_counter(), [], []
     for k in range(check_int("orders", orders, 1)):
         def run(n, k=k):
@@ -259,7 +236,7 @@ def agent_capacity(v: Variant, *, instances: int = 4, duration_s: float = 900.0,
                      "usable_hit_rate": float(res.usable_hit.sum() / res.input_tokens.sum()),
                      "preemptions": res.preemptions}
         per.append(_order(k, scan, "max_sessions", scan.capacity / instances, p, extra))
-    row = _base_row(v, "agents", dep, instances, prefill)
+    row = _base_row(v, "agents", dep, instances, prefill, speculation)
     if part is not None:
         row["part"] = list(part)
     return _summary(row, per, results, slo, t0)
@@ -383,14 +360,15 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                start_scale: float = 8.0, confirm: int = 2, trace: Path | str | None = None,
                sessions: Path | str | None = None, tune: dict | None = None, host_ratio: float | None = None,
                store_ratio: float | None = None, overlap_loads: bool = False, prefill: int | None = None,
-               progress=None) -> dict:
+               speculation: dict | None = None, progress=None) -> dict:
     """Every variant's goodput on both workloads, each over ``orders`` orders (``seeds``: its old name) on a
     load grid ``rel_tol`` apart; writes ``out/part_b.json`` and ``.md`` if ``out`` is given. ``trace`` and
     ``sessions`` replace the shipped files. ``tune`` (workload -> ``(budgets, seqs)``) tunes each variant's
     scheduler on that workload first (:func:`tune_variant`, on one instance and at most ``TUNE_REQUESTS``
     requests or ``TUNE_WINDOW_S`` seconds of it) and measures it at its best setting. ``host_ratio``,
     ``store_ratio``, ``overlap_loads``: a host tier under every instance's cache, or a store they share;
-    ``prefill``: disaggregated, that many instances prefill (:func:`agent_capacity`). ``progress(line)`` hears of each
+    ``prefill``: disaggregated, that many instances prefill; ``speculation``: the fields of a
+    :class:`~kimilab.engine.Speculation` (:func:`agent_capacity`). ``progress(line)`` hears of each
     variant as it finishes (the CLI prints it to stderr)."""
     variants = VARIANT_NAMES if variants is None else tuple(variants)
     orders = check_int("orders", orders if seeds is None else seeds, 1)
@@ -417,6 +395,8 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
         kw[w]["tune"] = (tuple(grid[0]), tuple(grid[1]))
     for w in kw:
         kw[w].update(check_ratios(host_ratio, store_ratio, overlap_loads, prefill))
+        if speculation_of(speculation) is not None:
+            kw[w]["speculation"] = dict(speculation)
         if prefill is not None and kw[w]["instances"] <= prefill:
             raise ValueError(f"prefill={prefill}: expected fewer than the {w} run's {kw[w]['instances']} instances")
     t0 = time.perf_counter()
@@ -433,7 +413,7 @@ def run_part_b(out: Path | str | None = None, *, n_requests: int | None = None, 
                                     deployment=costs.deployment(deployment or costs.DEFAULT_DEPLOYMENT.name)),
               "baseline": BASELINE, "kimilab": _version(), "rows": rows,
               "run_wall_s": round(time.perf_counter() - t0, 3)}
-    result["config"].update(tier_note(host_ratio, store_ratio, overlap_loads, prefill))
+    result["config"].update(tier_note(host_ratio, store_ratio, overlap_loads, prefill) | spec_note(speculation))
     if out is not None:
         import json
 

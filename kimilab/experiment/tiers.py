@@ -14,14 +14,19 @@ instead of before it (vLLM's LMCache and Mooncake connectors by default):
 
 ``prefill``: that many of the instances only prefill and hand each request's context to the rest,
 which only decode (:class:`kimilab.fleet.DisaggregatedFleet`, as Mooncake and SGLang's PD mode run).
+
+``speculation``: every engine verifies drafts (:class:`kimilab.engine.Speculation`, given as the
+dict of its fields so that a stored result's arguments stay plain data), and the pool shrinks by
+the drafter's weights and KV.
 """
 
 from __future__ import annotations
 
 from kimilab import costs
+from kimilab.engine.speculation import Speculation
 from kimilab.validate import check_float, check_int
 
-__all__ = ["check_ratios", "tier_keywords", "tier_note"]
+__all__ = ["check_ratios", "tier_keywords", "tier_note", "speculation_of", "spec_note"]
 
 
 def check_ratios(host_ratio: float | None, store_ratio: float | None, overlap_loads: bool = False,
@@ -74,3 +79,27 @@ def tier_note(host_ratio: float | None, store_ratio: float | None, overlap_loads
         return {"shared_store": f"one store of {store_ratio:g}x the instances' HBM pools together, shared by them "
                                 f"over RDMA, written through (kimilab.prefix.host); {loads}"}
     return {}
+
+
+def speculation_of(speculation: dict | None) -> Speculation | None:
+    """The :class:`~kimilab.engine.Speculation` a result's ``speculation`` dict names (None: none)."""
+    if speculation is None:
+        return None
+    if not isinstance(speculation, dict):
+        raise ValueError(f"speculation={speculation!r}: expected a dict of Speculation's fields, e.g. "
+                         "{'k': 3, 'alpha': 0.7}")
+    fields = ("k", "alpha", "rollback", "drafter", "seed")
+    bad = sorted(set(speculation) - set(fields))
+    if bad:
+        raise ValueError(f"speculation: unknown field(s) {bad}; expected some of {list(fields)}")
+    return Speculation(**speculation)
+
+
+def spec_note(speculation: dict | None) -> dict:
+    """What a result's ``config`` says about speculation (nothing without it)."""
+    spec = speculation_of(speculation)
+    if spec is None:
+        return {}
+    return {"speculation": f"{spec.k} drafts a step, each accepted with probability {spec.alpha:g} (swept: the "
+                           f"book's models are untrained); {spec.drafter} drafter; rollback "
+                           f"{spec.rollback or 'the cheapest at the batch'} (kimilab.engine.speculation)"}

@@ -2,7 +2,7 @@
 
 Its options (:func:`add_arguments`) and what it runs (:func:`run`): each trace file is a tenant,
 and the fleet's router, isolation, failures, the memory below each cache (a host tier of its
-own, or a store the instances share) and disaggregation (``--prefill``) are the options of
+own, or a store the instances share), disaggregation (``--prefill``) and speculation (``--spec-k``) are the options of
 :func:`kimilab.fleet.open_fleet`.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from kimilab.validate import HOST_GB_HELP, gb_or_inf_arg, positive_float_arg, positive_int_arg, tokens_or_inf_arg
+from kimilab.validate import (ALPHA_HELP, DRAFTER_HELP, HOST_GB_HELP, SPEC_HELP, gb_or_inf_arg, positive_float_arg,
+                              positive_int_arg, probability_arg, tokens_or_inf_arg)
 
-__all__ = ["add_arguments", "failure_arg", "run"]
+__all__ = ["add_arguments", "add_spec_arguments", "spec_fields", "failure_arg", "run"]
 
 
 def add_arguments(parser) -> None:
@@ -48,6 +49,24 @@ def add_arguments(parser) -> None:
                         help="disaggregate: N of the --instances only prefill (behind --router) and hand each "
                              "request's KV and states over a 400 Gb/s NIC a GPU to the rest, which only decode "
                              "(kimilab.fleet.disagg)")
+    add_spec_arguments(parser)
+
+
+def add_spec_arguments(parser) -> None:
+    """``--spec-k``, ``--spec-alpha``, ``--drafter`` (the fleet and experiment commands)."""
+    parser.add_argument("--spec-k", type=positive_int_arg, default=None, metavar="K", help=SPEC_HELP)
+    parser.add_argument("--spec-alpha", type=probability_arg, default=0.7, metavar="A", help=ALPHA_HELP)
+    parser.add_argument("--drafter", default="mtp", choices=["mtp", "ngram"], help=DRAFTER_HELP)
+
+
+def spec_fields(args, parser) -> dict | None:
+    """The fields of the :class:`~kimilab.engine.Speculation` the flags ask for (None: no --spec-k)."""
+    if args.spec_k is None:
+        for flag, given in (("--spec-alpha", args.spec_alpha != 0.7), ("--drafter", args.drafter != "mtp")):
+            if given:
+                parser.error(f"{flag}: expected --spec-k with it (speculation is off without a draft length)")
+        return None
+    return {"k": args.spec_k, "alpha": args.spec_alpha, "drafter": args.drafter}
 
 
 def failure_arg(text: str) -> tuple[int, float]:
@@ -95,6 +114,11 @@ def run(args, parser) -> int:
             if given:
                 parser.error(f"--prefill: {flag} is not modelled with disaggregation; expected one or the other")
         tier["prefill"] = args.prefill
+    fields = spec_fields(args, parser)
+    if fields is not None:
+        from kimilab.engine import Speculation
+
+        tier["speculation"] = Speculation(**fields)
     try:
         requests = load_tenants(args.traces)
     except (ValueError, OSError) as err:
