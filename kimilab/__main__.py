@@ -318,6 +318,16 @@ def _classroom(args, parser) -> int:
 def _experiment(args, parser) -> int:
     from kimilab.experiment import results
 
+    if args.spec_k is not None and args.part in ("b", "all"):  # refuse before minutes of other variants' runs
+        from kimilab.costs import deployment
+        from kimilab.experiment.variants import VARIANT_NAMES, variant
+
+        names = results.part_b_arguments(args.scale).get("variants")
+        dp = sorted({variant(n).deployment for n in (names or VARIANT_NAMES)
+                     if deployment(variant(n).deployment).attention == "dp"})
+        if dp:
+            parser.error(f"--spec-k: speculation is not modelled under DP-attention ({', '.join(dp)}); --scale "
+                         f"{args.scale} runs variants on it (use --scale book)")
     return results.run(args)
 
 

@@ -268,3 +268,13 @@ def test_the_twin_tells_a_wrong_speculating_engine_apart():
         (wrong,) = _twins(reqs, (mutant,), **kw)
         with pytest.raises(AssertionError):
             _assert_same(wrong, slow)
+
+
+def test_the_experiment_command_checks_its_speculation_flags(tmp_path, capsys):
+    from kimilab.__main__ import main
+
+    for argv, says in ((["--scale", "full", "--spec-k", "3"], "not modelled under DP-attention"),
+                       (["--spec-alpha", "0.5"], "--spec-alpha: expected --spec-k")):
+        with pytest.raises(SystemExit) as err:
+            main(["experiment", "--part", "b", "--out", str(tmp_path), *argv])
+        assert err.value.code == 2 and says in capsys.readouterr().err
