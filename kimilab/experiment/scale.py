@@ -162,7 +162,8 @@ def conversation_goodput(v: Variant, *, n_requests: int | None = None, instances
     """The highest rate scale ``instances`` instances serve the trace at within ``slo`` (a grid ``rel_tol``
     apart, scanned), and its price, in each of ``orders`` arrival orders: their mean, min and max.
     ``scheduler``: the deployment's ``max_batched_tokens`` and ``max_num_seqs`` (a tuned setting);
-    ``host_ratio``, ``store_ratio``, ``overlap_loads``, ``prefill``, ``speculation``: as in :func:`agent_capacity`."""
+    ``host_ratio``, ``store_ratio``, ``overlap_loads``, ``prefill``, ``speculation``: as in
+    :func:`agent_capacity`."""
     cfg, dep, policy, cap = _setup(v, deployment, kernels, scheduler, speculation)
     tier = _options(cfg, dep, cap, instances, host_ratio, store_ratio, overlap_loads, prefill, speculation)
     reqs = list(_trace(str(trace or TRACE_PATH), n_requests))
